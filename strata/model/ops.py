@@ -1,0 +1,34 @@
+"""The op table: the few operations a fast backend may replace.
+
+The model calls these through an `Ops` object, never a kernel directly, so a backend (Triton on the GPU)
+swaps implementations without forking the model. `Ops()` is the reference: plain PyTorch on any device,
+dequantizing stored weights on use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from strata.weights.tensor import StoredTensor
+
+
+def linear_ref(x: torch.Tensor, w: StoredTensor, bias: StoredTensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ b), in x's dtype."""
+    b = bias.dense(x.dtype, x.device) if bias is not None else None
+    return F.linear(x, w.dense(x.dtype, x.device), b)
+
+
+def embed_ref(ids: torch.Tensor, table: StoredTensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of an embedding table."""
+    return table.rows(ids, dtype)
+
+
+@dataclass
+class Ops:
+    """Replaceable operations. Each field has the signature of its `*_ref` twin."""
+
+    linear: callable = linear_ref
+    embed: callable = embed_ref

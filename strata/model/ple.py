@@ -1,0 +1,86 @@
+"""PLE: the hashed n-gram embedding added to the hyper-connection state at some GDN layers (spec 7).
+
+The hash is host work on int64 ids; only the gathered table rows are read (the real table is tens of GB and
+lives in a memory-mapped file)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from strata.config import ModelConfig, PLEGeometry
+from strata.model.gdn import causal_conv
+from strata.model.norms import grouped_rms_norm
+from strata.model.ops import Ops
+from strata.weights.schema import Weights
+
+
+@dataclass
+class PLEState:
+    """Per-sequence state of one PLE layer."""
+
+    context: torch.Tensor  # (n-1,) int64: the previous ids, EOS-filled at the start
+    conv: torch.Tensor  # (S*H, (Kp-1)*n) previous normalised gated values, model dtype
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> PLEState:
+        return cls(torch.full((cfg.ngram_size - 1,), cfg.ple_eos, dtype=torch.int64),
+                   torch.zeros(cfg.hc_dim, cfg.ple_conv_state_len, dtype=dtype, device=device))
+
+    def clone(self) -> PLEState:
+        return PLEState(self.context.clone(), self.conv.clone())
+
+
+def shifted_history(history: torch.Tensor, shift: int, eos: int) -> torch.Tensor:
+    """history[p - shift], or EOS where that is before the start or an EOS lies in history[p-shift .. p-1]."""
+    if shift == 0:
+        return history
+    n = history.shape[0]
+    pos = torch.arange(n)
+    eos_at = torch.where(history == eos, pos, -1)
+    last_eos_before = torch.cat([torch.tensor([-1]), torch.cummax(eos_at, 0).values[:-1]])
+    src = pos - shift
+    valid = (src >= 0) & (src > last_eos_before)
+    return torch.where(valid, history[src.clamp_min(0)], torch.tensor(eos))
+
+
+def ngram_rows(ids: torch.Tensor, context: torch.Tensor, geo: PLEGeometry, cfg: ModelConfig) -> torch.Tensor:
+    """Table rows (L, ngram_heads) for the ids, given the previous n-1 ids."""
+    n, hpn, eos = cfg.ngram_size, cfg.heads_per_ngram, cfg.ple_eos
+    hist = torch.cat([context, ids.to(torch.int64).cpu()])
+    shifted = [shifted_history(hist, k, eos) for k in range(n)]
+    mult = geo.multipliers
+    primes = torch.tensor(geo.primes, dtype=torch.int64)
+    offsets = torch.tensor(geo.offsets, dtype=torch.int64)
+    blocks = []
+    for m in range(2, n + 1):
+        h = shifted[0] * mult[0]
+        for j in range(1, m):
+            h = torch.bitwise_xor(h, shifted[j] * mult[j])
+        sl = slice((m - 2) * hpn, (m - 1) * hpn)
+        blocks.append(torch.remainder(h.unsqueeze(-1), primes[sl]) + offsets[sl])
+    return torch.cat(blocks, dim=-1)[n - 1:]
+
+
+def ple_layer(x: torch.Tensor, ids: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, state: PLEState,
+              ops: Ops) -> torch.Tensor:
+    """The PLE contribution (L, S*H) to add to the state x; updates `state`."""
+    p = f"L{layer}.ple."
+    dt, dev = x.dtype, x.device
+    S, H, eps = cfg.hc_count, cfg.hidden_size, cfg.rms_norm_eps
+    rows = ngram_rows(ids, state.context, cfg.ple[layer], cfg)
+    state.context = torch.cat([state.context, ids.to(torch.int64).cpu()])[-(cfg.ngram_size - 1):]
+    e = ops.embed(rows, w[p + "table"], dt).to(dev).flatten(-2)  # (L, ple_dim)
+    norm = lambda t, name: grouped_rms_norm(t, w[p + name].dense(torch.float32, dev), H, eps)  # noqa: E731
+    key = norm(ops.linear(e, w[p + "key"]), "norm_key").unflatten(-1, (S, H))
+    value = ops.linear(e, w[p + "value"])
+    query = norm(x, "norm_query").unflatten(-1, (S, H))
+    s = (key * query).sum(-1, keepdim=True) / math.sqrt(H)
+    s = s.abs().clamp_min(1e-6).sqrt() * s.sign()
+    gated = (torch.sigmoid(s) * value.unsqueeze(-2)).flatten(-2)  # (L, S*H)
+    conv, state.conv = causal_conv(norm(gated, "norm_conv"), state.conv, w[p + "conv"].dense(dt, dev),
+                                   dilation=cfg.ngram_size)
+    return gated + F.silu(conv)

@@ -1,0 +1,160 @@
+"""Stored tensors: handles to weights as they lie in a file, decoded only when used.
+
+The model never sees a file format. It sees `StoredTensor`s: something with a name, a logical shape and a
+storage type that can give a dense torch tensor (`dense`), a subset of rows (`rows`, for embeddings and the PLE
+table), or one slice of a 3-D stack (`[e]`, for experts). A memory-mapped bf16 matrix, a list of per-expert
+matrices, the PLE table split into shards and a GGUF block-quantized tensor all fit behind this one interface,
+so the model code has no format branches and the real model's tens of GB are never read at load.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+
+import torch
+
+
+class WeightError(ValueError):
+    """A missing, mis-shaped, mis-typed or unreadable tensor; the message names the tensor."""
+
+
+class StoredTensor(ABC):
+    """A weight as stored. `shape` is the logical (torch, row-major) shape, e.g. (out, in) for a matrix."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str  # storage type: "F32", "BF16", "F16", or a ggml quant type name such as "Q4_K"
+
+    @abstractmethod
+    def dense(self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
+        """The whole tensor, decoded, in `dtype` on `device`."""
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `index` (any shape of int64) of a 2-D tensor; result shape index.shape + (cols,)."""
+        return self.dense(dtype)[index]
+
+    def __getitem__(self, i: int) -> StoredTensor:
+        """Slice `i` of the first dimension of a 3-D stack, as a 2-D stored tensor."""
+        raise TypeError(f"{self.name}: a {len(self.shape)}-D {self.kind} tensor is not an expert stack")
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Stored bytes."""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, {self.shape}, {self.kind})"
+
+
+_KIND_OF = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+class DenseTensor(StoredTensor):
+    """A plain torch tensor (possibly a zero-copy view of a memory-mapped file)."""
+
+    def __init__(self, name: str, tensor: torch.Tensor):
+        self.name = name
+        self.tensor = tensor
+        self.shape = tuple(tensor.shape)
+        self.kind = _KIND_OF.get(tensor.dtype, str(tensor.dtype).removeprefix("torch."))
+
+    def dense(self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
+        t = self.tensor
+        if device is not None and t.device != torch.device(device):
+            t = t.to(device)
+        return t if t.dtype == dtype else t.to(dtype)
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.tensor[index.to(self.tensor.device)].to(dtype)
+
+    def __getitem__(self, i: int) -> StoredTensor:
+        if self.tensor.dim() != 3:
+            return super().__getitem__(i)
+        return DenseTensor(f"{self.name}[{i}]", self.tensor[i])
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+class StackedTensor(StoredTensor):
+    """A 3-D stack kept as its parts (one stored 2-D tensor per expert): never concatenated."""
+
+    def __init__(self, name: str, parts: Sequence[StoredTensor]):
+        if not parts:
+            raise WeightError(f"{name}: an expert stack needs at least one part")
+        first = parts[0].shape
+        for p in parts:
+            if p.shape != first:
+                raise WeightError(f"{p.name}: shape {p.shape} differs from {parts[0].name} {first} in stack {name}")
+        self.name = name
+        self.parts = list(parts)
+        self.shape = (len(parts), *first)
+        kinds = {p.kind for p in parts}
+        self.kind = kinds.pop() if len(kinds) == 1 else "mixed"
+
+    def dense(self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
+        return torch.stack([p.dense(dtype, device) for p in self.parts])
+
+    def __getitem__(self, i: int) -> StoredTensor:
+        return self.parts[i]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+class RowConcatTensor(StoredTensor):
+    """A 2-D table stored as consecutive row shards (the PLE n-gram table): gathers read only the rows asked for."""
+
+    def __init__(self, name: str, parts: Sequence[StoredTensor]):
+        if not parts:
+            raise WeightError(f"{name}: a sharded table needs at least one shard")
+        cols = parts[0].shape[1]
+        for p in parts:
+            if len(p.shape) != 2 or p.shape[1] != cols:
+                raise WeightError(f"{p.name}: shard shape {p.shape} does not match {parts[0].shape} in {name}")
+        self.name = name
+        self.parts = list(parts)
+        starts = [0]
+        for p in parts:
+            starts.append(starts[-1] + p.shape[0])
+        self.starts = torch.tensor(starts, dtype=torch.int64)
+        self.shape = (starts[-1], cols)
+        kinds = {p.kind for p in parts}
+        self.kind = kinds.pop() if len(kinds) == 1 else "mixed"
+
+    def dense(self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
+        return torch.cat([p.dense(dtype, device) for p in self.parts])
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        flat = index.reshape(-1).to(torch.int64).cpu()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.shape[0]):
+            raise WeightError(f"{self.name}: row index out of range [0, {self.shape[0]})")
+        shard = torch.searchsorted(self.starts, flat, right=True) - 1
+        out = torch.empty(flat.numel(), self.shape[1], dtype=dtype)
+        for s in torch.unique(shard).tolist():
+            sel = (shard == s).nonzero().flatten()
+            out[sel] = self.parts[s].rows(flat[sel] - self.starts[s], dtype)
+        return out.reshape(*index.shape, self.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+def iter_leaves(t: StoredTensor) -> Iterator[StoredTensor]:
+    """The stored pieces behind a tensor (itself, or the parts of a stack/shard set)."""
+    if isinstance(t, StackedTensor | RowConcatTensor):
+        for p in t.parts:
+            yield from iter_leaves(p)
+    else:
+        yield t
