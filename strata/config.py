@@ -15,6 +15,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from strata.errors import StrataError
+
 LINEAR = "linear_attention"
 INDEXED = "indexed_attention"
 
@@ -22,7 +24,7 @@ _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
-class ConfigError(ValueError):
+class ConfigError(StrataError, ValueError):
     """An invalid or unsupported model configuration; the message names the field and the rule."""
 
 

@@ -14,8 +14,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from strata.errors import StrataError
 
-class WeightError(ValueError):
+
+class WeightError(StrataError, ValueError):
     """A missing, mis-shaped, mis-typed or unreadable tensor; the message names the tensor."""
 
 

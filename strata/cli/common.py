@@ -1,0 +1,43 @@
+"""Arguments and helpers shared by several subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from strata.errors import StrataError
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="PATH", default=None,
+                   help="HF checkpoint folder or GGUF file (default: the small model bundled with strata)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype (default: float32)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+
+
+def parse_ids(text: str) -> list[int]:
+    """'1,2,3' -> [1, 2, 3], with a clear error for anything else."""
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise StrataError(f"--ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise StrataError("--ids is empty")
+    return ids
+
+
+def read_ids_file(path: str) -> list[int]:
+    """A JSON file holding a list of ids or an object with an "ids" list (like prompt.json)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise StrataError(f"cannot read {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise StrataError(f"{path} is not valid JSON ({e})") from None
+    if isinstance(data, dict):
+        data = data.get("ids")
+    if not isinstance(data, list) or not data or not all(isinstance(i, int) for i in data):
+        raise StrataError(f"{path} must hold a non-empty list of integer ids (or an object with one under 'ids')")
+    return data

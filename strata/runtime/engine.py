@@ -1,0 +1,99 @@
+"""The engine: one loaded model, placed on a device, driving prefill and decode over sequence states.
+
+It owns what the model math does not: which dtype and device the model runs in, checking token ids before
+they reach an embedding, chunking long prompts, and the choice of op table (reference or a fast backend).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from strata.errors import StrataError
+from strata.model.model import Model, SequenceState
+from strata.model.ops import Ops
+from strata.weights.schema import Weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "default"
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise StrataError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
+
+
+def load_weights(path: str | Path) -> Weights:
+    """Open a model (HF folder or GGUF file) lazily and validate it."""
+    path = Path(path)
+    if not path.exists():
+        raise StrataError(f"model path {path} does not exist")
+    try:
+        from strata.weights.loader import load_weights as load_any
+    except ImportError:
+        from strata.weights.hf import load_hf as load_any
+    return load_any(path)
+
+
+class Engine:
+    """A model ready to run: `new_state()`, `prefill(ids, state)`, `decode(token, state)`."""
+
+    def __init__(self, weights: Weights, dtype: str | torch.dtype = "float32", device: str = "cpu",
+                 ops: Ops | None = None, path: Path | None = None):
+        self.weights = weights
+        self.cfg = weights.cfg
+        self.path = path
+        self.dtype = resolve_dtype(dtype)
+        self.device = torch.device(device)
+        self.model = Model(weights, self.dtype, self.device, ops)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu",
+             ops: Ops | None = None) -> Engine:
+        """Load the model at `path` (the bundled default model when None)."""
+        path = Path(path) if path is not None else DEFAULT_MODEL
+        return cls(load_weights(path), dtype, device, ops, path)
+
+    def new_state(self) -> SequenceState:
+        return self.model.new_state()
+
+    def check_ids(self, ids: Sequence[int]) -> torch.Tensor:
+        """ids as an int64 tensor, refusing any id outside the vocabulary."""
+        t = torch.as_tensor(list(ids), dtype=torch.int64)
+        if t.ndim != 1:
+            raise StrataError("token ids must be a flat list of integers")
+        V = self.cfg.vocab_size
+        bad = ((t < 0) | (t >= V)).nonzero().flatten()
+        if bad.numel():
+            i = int(bad[0])
+            raise StrataError(f"token id {int(t[i])} at position {i} is outside the vocabulary [0, {V})")
+        return t.to(self.device)
+
+    @torch.inference_mode()
+    def prefill(self, ids: Sequence[int], state: SequenceState, chunk_size: int = 512,
+                all_logits: bool = False) -> torch.Tensor:
+        """Run the prompt through the model in chunks. Returns float32 logits of every position (L, V) with
+        `all_logits`, else of the last position (V,). Chunk boundaries do not change the result."""
+        t = self.check_ids(ids)
+        if t.numel() == 0:
+            raise StrataError("empty prompt: at least one token is needed")
+        if chunk_size < 1:
+            raise StrataError(f"chunk_size must be >= 1, got {chunk_size}")
+        outs = []
+        for start in range(0, t.numel(), chunk_size):
+            piece = t[start:start + chunk_size]
+            last = not all_logits
+            outs.append(self.model.forward(piece, state, last_only=last).float())
+        return torch.cat(outs) if all_logits else outs[-1][-1]
+
+    @torch.inference_mode()
+    def decode(self, token: int, state: SequenceState) -> torch.Tensor:
+        """One token through the single-token path; float32 logits (V,)."""
+        t = self.check_ids([token])
+        return self.model.forward(t, state)[-1].float()
