@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.config import ModelConfig
+from strata.model import topk
 from strata.model.ops import Ops
 from strata.weights.schema import Weights
 
@@ -16,7 +17,7 @@ def route(a: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, ops: Ops,
     Returns (expert ids (L, k), weights (L, k))."""
     logits = ops.linear(a, w[f"L{layer}.moe.router"])
     probs = torch.softmax(logits.float(), dim=-1)
-    top_w, top_i = probs.topk(cfg.num_experts_per_tok, dim=-1)
+    top_w, top_i = topk.select(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
         top_w = top_w / top_w.sum(-1, keepdim=True)
     return top_i, top_w.to(a.dtype)

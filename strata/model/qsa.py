@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.config import ModelConfig
+from strata.model import topk
 from strata.model.norms import rms_norm
 from strata.model.ops import Ops
 from strata.weights.schema import Weights
@@ -79,7 +80,7 @@ def select_blocks(q_idx: torch.Tensor, blocks: torch.Tensor, positions: torch.Te
     visible_block = torch.arange(nb, device=q_idx.device)[None, :] < nb_q[:, None]
     scores = scores.masked_fill(~visible_block, float("-inf"))
     k = min(kb, nb)
-    top = scores.topk(k, dim=-1).indices  # (L, k)
+    top = topk.select(scores, k)[1]  # (L, k)
     chosen = torch.zeros(L, nb, dtype=torch.bool, device=q_idx.device)
     chosen.scatter_(1, top, True)
     chosen &= visible_block

@@ -1,0 +1,29 @@
+# Set-up and the two jobs. `make run` and `make test` each create .venv/ on first use.
+VENV   := .venv
+PIP    := $(VENV)/bin/pip
+PROMPT ?= Hello
+# On a machine without a GPU, torch==2.13.0 is the CPU build from local disk (no multi-GB CUDA download).
+# On a CUDA machine: make TORCH="torch --index-url https://download.pytorch.org/whl/cu128" run
+TORCH  ?= torch==2.13.0
+
+.PHONY: run test clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.test-installed: $(VENV)/.installed pyproject.toml
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+run: $(VENV)/.installed
+	$(VENV)/bin/strata generate "$(PROMPT)"
+
+test: $(VENV)/.test-installed
+	$(VENV)/bin/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info
