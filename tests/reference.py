@@ -29,10 +29,11 @@ BASE = dict(
 CONFIGS = {
     # spec's TINY: QSA at layer 3, hc 2, PLE at layers 1 and 3 (1-indexed), PLE table in 2 shards
     "tiny": dict(BASE),
-    # 8 layers (QSA at 3 and 7), hc 4, PLE at layer 2 only, sigmoid GDN gate, 6 experts top-3, c=3
+    # 8 layers (QSA at 3 and 7), hc 4, PLE at layer 2 only, sigmoid GDN gate, 6 experts top-3, c=3,
+    # 4 indexer heads (with 2, exact-zero ReLU ties at the k-th block are common)
     "hc4": dict(BASE, num_hidden_layers=8, hc_count=4, ple_layer_ids=[2], indexer_budget=12,
-                indexer_compress_ratio=3, indexer_n_heads=4, output_gate_type="sigmoid", num_experts=6, num_experts_per_tok=3,
-                split_ngram_parts=1),
+                indexer_compress_ratio=3, indexer_n_heads=4, output_gate_type="sigmoid", num_experts=6,
+                num_experts_per_tok=3, split_ngram_parts=1),
     # explicit layer types with QSA first-ish, no PLE, full rotary, 5 experts top-1 unnormalised, biases
     "nople": dict(BASE, num_hidden_layers=5,
                   layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention",

@@ -3,34 +3,14 @@ its chunked form (prefill) and its recurrent form (one token), both reading and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from strata.config import ModelConfig
 from strata.model.norms import gated_rms_norm, l2norm
 from strata.model.ops import Ops
+from strata.runtime.state import GDNState
 from strata.weights.schema import Weights
-
-
-@dataclass
-class GDNState:
-    """Per-sequence state of one GDN layer."""
-
-    conv: torch.Tensor  # (C, K-1) last conv inputs, model dtype
-    recurrent: torch.Tensor  # (nv, dk, dv) float32
-
-    @classmethod
-    def empty(cls, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> GDNState:
-        return cls(
-            torch.zeros(cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=dtype, device=device),
-            torch.zeros(cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                        dtype=torch.float32, device=device),
-        )
-
-    def clone(self) -> GDNState:
-        return GDNState(self.conv.clone(), self.recurrent.clone())
 
 
 def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, dilation: int = 1,

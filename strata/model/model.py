@@ -6,39 +6,16 @@ call with many tokens, decode a call with one. The same code serves both.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from strata.config import ModelConfig
-from strata.model.gdn import GDNState, gdn_layer
+from strata.model.gdn import gdn_layer
 from strata.model.hyper import hc_read, hc_write
 from strata.model.moe import moe_layer
 from strata.model.ops import Ops
-from strata.model.ple import PLEState, ple_layer
-from strata.model.qsa import QSAState, qsa_layer
+from strata.model.ple import ple_layer
+from strata.model.qsa import qsa_layer
+from strata.runtime.state import SequenceState
 from strata.weights.schema import Weights
-
-
-@dataclass
-class SequenceState:
-    """Everything one sequence carries between calls: per-layer caches and the token count."""
-
-    layers: list[GDNState | QSAState]
-    ple: dict[int, PLEState]
-    length: int = 0
-    tokens: list[int] = field(default_factory=list)
-
-    @classmethod
-    def empty(cls, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> SequenceState:
-        layers = [GDNState.empty(cfg, dtype, device) if cfg.is_linear(i) else QSAState.empty(cfg, dtype, device)
-                  for i in range(cfg.num_hidden_layers)]
-        ple = {i: PLEState.empty(cfg, dtype, device) for i in cfg.ple}
-        return cls(layers, ple)
-
-    def clone(self) -> SequenceState:
-        return SequenceState([s.clone() for s in self.layers], {i: s.clone() for i, s in self.ple.items()},
-                             self.length, list(self.tokens))
 
 
 class Model:

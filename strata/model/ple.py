@@ -6,7 +6,6 @@ lives in a memory-mapped file)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -15,23 +14,8 @@ from strata.config import ModelConfig, PLEGeometry
 from strata.model.gdn import causal_conv
 from strata.model.norms import grouped_rms_norm
 from strata.model.ops import Ops
+from strata.runtime.state import PLEState
 from strata.weights.schema import Weights
-
-
-@dataclass
-class PLEState:
-    """Per-sequence state of one PLE layer."""
-
-    context: torch.Tensor  # (n-1,) int64: the previous ids, EOS-filled at the start
-    conv: torch.Tensor  # (S*H, (Kp-1)*n) previous normalised gated values, model dtype
-
-    @classmethod
-    def empty(cls, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> PLEState:
-        return cls(torch.full((cfg.ngram_size - 1,), cfg.ple_eos, dtype=torch.int64),
-                   torch.zeros(cfg.hc_dim, cfg.ple_conv_state_len, dtype=dtype, device=device))
-
-    def clone(self) -> PLEState:
-        return PLEState(self.context.clone(), self.conv.clone())
 
 
 def shifted_history(history: torch.Tensor, shift: int, eos: int) -> torch.Tensor:

@@ -8,34 +8,14 @@ them every step, with identical results.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from strata.config import ModelConfig
 from strata.model import topk
 from strata.model.norms import rms_norm
 from strata.model.ops import Ops
+from strata.runtime.state import QSAState
 from strata.weights.schema import Weights
-
-
-@dataclass
-class QSAState:
-    """Per-sequence cache of one QSA layer. Rows are token positions 0..T-1."""
-
-    k: torch.Tensor  # (T, Hkv, hd) after k_norm and RoPE, model dtype
-    v: torch.Tensor  # (T, Hkv, hd)
-    idx_raw: torch.Tensor  # (T, Di) raw indexer keys
-    idx_blocks: torch.Tensor  # (T // c, Di) pooled, normed, rotated block keys
-
-    @classmethod
-    def empty(cls, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> QSAState:
-        hkv, hd, di = cfg.num_key_value_heads, cfg.head_dim, cfg.indexer_head_dim
-        z = lambda *s: torch.zeros(*s, dtype=dtype, device=device)  # noqa: E731
-        return cls(z(0, hkv, hd), z(0, hkv, hd), z(0, di), z(0, di))
-
-    def clone(self) -> QSAState:
-        return QSAState(self.k.clone(), self.v.clone(), self.idx_raw.clone(), self.idx_blocks.clone())
 
 
 def rope_tables(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
