@@ -72,7 +72,8 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
 
 def gdn_layer(a: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, state: GDNState, ops: Ops,
               ) -> torch.Tensor:
-    """One Gated DeltaNet mixer over L tokens (L, H) -> (L, H); updates `state` in place."""
+    """One Gated DeltaNet mixer over L tokens (L, H) -> (L, H); updates `state` in place (so a captured step
+    writes into the same buffers every replay)."""
     p = f"L{layer}.gdn."
     dt = a.dtype
     L = a.shape[0]
@@ -83,7 +84,8 @@ def gdn_layer(a: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, state: 
     b = ops.linear(a, w[p + "b"])
     alpha = ops.linear(a, w[p + "a"])
 
-    conv, state.conv = causal_conv(x, state.conv, w[p + "conv"].dense(dt, a.device))
+    conv, window = causal_conv(x, state.conv, w[p + "conv"].dense(dt, a.device))
+    state.conv.copy_(window)
     conv = F.silu(conv) if cfg.hidden_act == "silu" else torch.sigmoid(conv)
     q, k, v = torch.split(conv, [cfg.gdn_key_dim, cfg.gdn_key_dim, cfg.gdn_value_dim], dim=-1)
     q, k, v = q.reshape(L, nk, dk), k.reshape(L, nk, dk), v.reshape(L, nv, dv)
@@ -100,7 +102,8 @@ def gdn_layer(a: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, state: 
     qf = l2norm(q.float()) * dk ** -0.5
     kf = l2norm(k.float())
     rule = delta_rule_recurrent if L == 1 else delta_rule_chunked
-    o, state.recurrent = rule(qf, kf, v.float(), g, beta.float(), state.recurrent)
+    o, recurrent = rule(qf, kf, v.float(), g, beta.float(), state.recurrent)
+    state.recurrent.copy_(recurrent)
 
     o = gated_rms_norm(o.to(dt), z, w[p + "norm"].dense(torch.float32, a.device), cfg.rms_norm_eps,
                        cfg.gdn_gate_act)

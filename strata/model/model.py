@@ -1,10 +1,14 @@
-"""The qwen4_exp text model: embedding -> 4-stream hyper-connection state -> layers -> final mixer -> head.
+"""The qwen4_exp text model: embedding -> S-stream hyper-connection state -> layers -> final mixer -> head.
 
-`Model.forward(ids, state)` runs any number of new tokens of one sequence, continuing `state`; prefill is a
-call with many tokens, decode a call with one. The same code serves both.
+A call is split in two: `stage` does the host work (positions, the PLE n-gram hash and table gathers, which
+read a table that may live in host RAM or on disk) and `run` does the device work. `run` has shapes that
+depend only on the call length and state capacities, so a decode step can be captured once and replayed;
+prefill is a call with many tokens, decode a call with one, through the same code.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -12,10 +16,21 @@ from strata.model.gdn import gdn_layer
 from strata.model.hyper import hc_read, hc_write
 from strata.model.moe import moe_layer
 from strata.model.ops import Ops
-from strata.model.ple import ple_layer
+from strata.model.ple import ple_embedding, ple_layer
 from strata.model.qsa import qsa_layer
 from strata.runtime.state import SequenceState
 from strata.weights.schema import Weights
+
+
+@dataclass
+class StepInputs:
+    """What one call feeds the device: ids and positions (device), the number of key positions any query may
+    see, and the gathered PLE embeddings per PLE layer."""
+
+    ids: torch.Tensor  # (L,) int64
+    positions: torch.Tensor  # (L,) int64
+    n_keys: int
+    ple: dict[int, torch.Tensor]  # layer -> (L, ple_dim)
 
 
 class Model:
@@ -29,36 +44,43 @@ class Model:
         self.device = torch.device(device)
         self.ops = ops or Ops()
 
-    def new_state(self) -> SequenceState:
-        return SequenceState.empty(self.cfg, self.dtype, self.device)
+    def new_state(self, capacity: int | None = None) -> SequenceState:
+        return SequenceState.empty(self.cfg, self.dtype, self.device, capacity)
 
-    def hidden(self, ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
-        """Final hidden states (L, H) for the new ids; advances `state`."""
-        cfg, w, ops = self.cfg, self.w, self.ops
+    def stage(self, ids: torch.Tensor, state: SequenceState) -> StepInputs:
+        """Host work for the new ids; advances the state's token count and n-gram context."""
         L = ids.shape[0]
         positions = torch.arange(state.length, state.length + L, device=self.device)
-        e = ops.embed(ids, w["embed"], self.dtype).to(self.device)
-        x = e.repeat(1, cfg.hc_count)
+        ple = {i: ple_embedding(ids, self.w, i, self.cfg, s, self.ops, self.dtype).to(self.device)
+               for i, s in state.ple.items()}
+        state.length += L
+        state.tokens.extend(ids.tolist())
+        return StepInputs(ids.to(self.device), positions, state.length, ple)
+
+    def run(self, inputs: StepInputs, state: SequenceState, static: bool = False) -> torch.Tensor:
+        """Final hidden states (L, H); writes the device-side caches of `state`. `static` keeps every shape
+        independent of the data (for a captured step)."""
+        cfg, w, ops = self.cfg, self.w, self.ops
         S, eps = cfg.hc_count, cfg.rms_norm_eps
+        x = ops.embed(inputs.ids, w["embed"], self.dtype).repeat(1, S)
         for i in range(cfg.num_hidden_layers):
-            if i in state.ple:
-                x = x + ple_layer(x, ids, w, i, cfg, state.ple[i], ops)
+            if i in inputs.ple:
+                x = x + ple_layer(x, inputs.ple[i], w, i, cfg, state.ple[i], ops)
             a, inject = hc_read(x, w, f"L{i}.hc_attn", S, eps, ops)
             if cfg.is_linear(i):
                 y = gdn_layer(a, w, i, cfg, state.layers[i], ops)
             else:
-                y = qsa_layer(a, positions, w, i, cfg, state.layers[i], ops)
+                y = qsa_layer(a, inputs.positions, inputs.n_keys, w, i, cfg, state.layers[i], ops, static)
             x = hc_write(x, inject, y)
             a, inject = hc_read(x, w, f"L{i}.hc_ffn", S, eps, ops)
             x = hc_write(x, inject, moe_layer(a, w, i, cfg, ops))
-        state.length += L
-        state.tokens.extend(ids.tolist())
         h, _ = hc_read(x, w, "final", S, eps, ops, inject=False)
         return h
 
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(h, self.w.head)
+
     def forward(self, ids: torch.Tensor, state: SequenceState, last_only: bool = False) -> torch.Tensor:
         """Logits (L, V) in the model dtype (or (1, V) with `last_only`) for the new ids; advances `state`."""
-        h = self.hidden(ids, state)
-        if last_only:
-            h = h[-1:]
-        return self.ops.linear(h, self.w.head)
+        h = self.run(self.stage(ids, state), state)
+        return self.logits(h[-1:] if last_only else h)

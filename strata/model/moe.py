@@ -32,11 +32,6 @@ def moe_layer(a: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, ops: Op
     """Routed experts + sigmoid-gated shared expert, (L, H) -> (L, H)."""
     p = f"L{layer}.moe."
     top_i, top_w = route(a, w, layer, cfg, ops)
-    routed = torch.zeros_like(a)
-    gate, up, down = w[p + "gate_exps"], w[p + "up_exps"], w[p + "down_exps"]
-    for e in torch.unique(top_i).tolist():
-        tok, slot = (top_i == e).nonzero(as_tuple=True)
-        f = expert_mlp(a[tok], gate[e], up[e], down[e], ops)
-        routed.index_add_(0, tok, (f * top_w[tok, slot, None]).to(a.dtype))
+    routed = ops.experts(a, top_i, top_w, w[p + "gate_exps"], w[p + "up_exps"], w[p + "down_exps"], ops.linear)
     shared = expert_mlp(a, w[p + "sh_gate"], w[p + "sh_up"], w[p + "sh_down"], ops)
     return routed + torch.sigmoid(ops.linear(a, w[p + "sh_gate_inp"])) * shared

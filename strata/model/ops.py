@@ -7,11 +7,14 @@ dequantizing stored weights on use.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from strata.model.attention import attend_ref
+from strata.model.experts import experts_ref
 from strata.weights.tensor import StoredTensor
 
 
@@ -30,5 +33,7 @@ def embed_ref(ids: torch.Tensor, table: StoredTensor, dtype: torch.dtype) -> tor
 class Ops:
     """Replaceable operations. Each field has the signature of its `*_ref` twin."""
 
-    linear: callable = linear_ref
-    embed: callable = embed_ref
+    linear: Callable = linear_ref
+    embed: Callable = embed_ref
+    attend: Callable = attend_ref  # (q, qsa_state, idx, ok, cfg) -> (L, Hq*hd)
+    experts: Callable = experts_ref  # (a, top_i, top_w, gate, up, down, linear) -> (L, H)

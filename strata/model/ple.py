@@ -49,15 +49,21 @@ def ngram_rows(ids: torch.Tensor, context: torch.Tensor, geo: PLEGeometry, cfg: 
     return torch.cat(blocks, dim=-1)[n - 1:]
 
 
-def ple_layer(x: torch.Tensor, ids: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, state: PLEState,
-              ops: Ops) -> torch.Tensor:
-    """The PLE contribution (L, S*H) to add to the state x; updates `state`."""
-    p = f"L{layer}.ple."
-    dt, dev = x.dtype, x.device
-    S, H, eps = cfg.hc_count, cfg.hidden_size, cfg.rms_norm_eps
+def ple_embedding(ids: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, state: PLEState, ops: Ops,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Host work: hash the n-grams ending at each id, gather the table rows, advance the n-gram context.
+    Returns the concatenated embedding (L, ple_dim) on the host."""
     rows = ngram_rows(ids, state.context, cfg.ple[layer], cfg)
     state.context = torch.cat([state.context, ids.to(torch.int64).cpu()])[-(cfg.ngram_size - 1):]
-    e = ops.embed(rows, w[p + "table"], dt).to(dev).flatten(-2)  # (L, ple_dim)
+    return ops.embed(rows, w[f"L{layer}.ple.table"], dtype).flatten(-2)
+
+
+def ple_layer(x: torch.Tensor, e: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, state: PLEState,
+              ops: Ops) -> torch.Tensor:
+    """The PLE contribution (L, S*H) to add to the state x, from the gathered embedding e; updates `state`."""
+    p = f"L{layer}.ple."
+    dev = x.device
+    S, H, eps = cfg.hc_count, cfg.hidden_size, cfg.rms_norm_eps
     norm = lambda t, name: grouped_rms_norm(t, w[p + name].dense(torch.float32, dev), H, eps)  # noqa: E731
     key = norm(ops.linear(e, w[p + "key"]), "norm_key").unflatten(-1, (S, H))
     value = ops.linear(e, w[p + "value"])
@@ -65,6 +71,7 @@ def ple_layer(x: torch.Tensor, ids: torch.Tensor, w: Weights, layer: int, cfg: M
     s = (key * query).sum(-1, keepdim=True) / math.sqrt(H)
     s = s.abs().clamp_min(1e-6).sqrt() * s.sign()
     gated = (torch.sigmoid(s) * value.unsqueeze(-2)).flatten(-2)  # (L, S*H)
-    conv, state.conv = causal_conv(norm(gated, "norm_conv"), state.conv, w[p + "conv"].dense(dt, dev),
-                                   dilation=cfg.ngram_size)
+    conv, window = causal_conv(norm(gated, "norm_conv"), state.conv, w[p + "conv"].dense(x.dtype, dev),
+                               dilation=cfg.ngram_size)
+    state.conv.copy_(window)
     return gated + F.silu(conv)

@@ -3,7 +3,10 @@ indexer over mean-pooled block keys, plus the incomplete tail block.
 
 The indexer's raw keys are cached, and each block's pooled key (mean -> k_layernorm -> RoPE at the block's
 first position) is computed once, when the block completes, and cached; the reference recomputes all of
-them every step, with identical results.
+them every step, with identical results. Selection produces token *indices* (at most B + c - 1 per query,
+like the reference's index buffer), and attention reads only those rows of the KV cache, so a decode step
+costs the same at 4K and 128K context. Every shape depends on capacities and call length, never on data,
+so the same code runs inside a captured CUDA graph.
 """
 
 from __future__ import annotations
@@ -37,80 +40,89 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([xr * cos + rot * sin, xp], dim=-1)
 
 
-def select_blocks(q_idx: torch.Tensor, blocks: torch.Tensor, positions: torch.Tensor, cfg: ModelConfig,
-                  ) -> torch.Tensor:
-    """The visibility mask (L, T) of the queries at `positions` over keys 0..T-1 (T = positions[-1] + 1).
+def pool_blocks(raw: torch.Tensor, starts: torch.Tensor, norm: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Pooled block keys: fp32 mean of c raw keys, cast, k_layernorm, RoPE at the block's first position.
+    raw (n, c, Di), starts (n,) -> (n, Di)."""
+    pooled = rms_norm(raw.float().mean(1).to(raw.dtype), norm, cfg.rms_norm_eps)
+    cos, sin = rope_tables(starts, cfg, raw.dtype)
+    return apply_rope(pooled.unsqueeze(1), cos, sin).squeeze(1)
+
+
+def update_blocks(state: QSAState, positions: torch.Tensor, norm: torch.Tensor, cfg: ModelConfig,
+                  static: bool) -> None:
+    """Pool every block that completes at one of `positions` (position p completes block p // c when
+    (p + 1) % c == 0), reading raw keys already written. `static` keeps shapes data-independent (compute for
+    every position, write only where a block completes) for a captured step."""
+    c = cfg.indexer_compress_ratio
+    done = (positions + 1) % c == 0
+    if not static:
+        positions = positions[done]
+        if positions.numel() == 0:
+            return
+    blocks = positions // c
+    rows = blocks[:, None] * c + torch.arange(c, device=positions.device)
+    pooled = pool_blocks(state.idx_raw[rows], blocks * c, norm, cfg)
+    if static:
+        pooled = torch.where(done[:, None], pooled, state.idx_blocks[blocks])
+    state.idx_blocks.index_copy_(0, blocks, pooled)
+
+
+def select_tokens(q_idx: torch.Tensor, blocks: torch.Tensor, positions: torch.Tensor, cfg: ModelConfig,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token indices (L, W) each query attends to, and their validity (L, W); W <= B + c - 1.
 
     Query t sees the keys of its top-k complete blocks (by the head sum of ReLU'd dot products with the pooled
     block keys) plus its tail (the incomplete block, including itself when (t+1) % c != 0). Exactly dense while
-    a query has no more complete blocks than k.
+    a query has no more complete blocks than k. `blocks` (nb, Di) may include blocks not yet complete for
+    some queries; they are masked by position.
     """
     c, kb = cfg.indexer_compress_ratio, cfg.block_topk
-    T = int(positions[-1]) + 1
-    L = q_idx.shape[0]
-    n_vis = positions + 1
-    nb_q = n_vis // c  # complete blocks visible to each query
+    dev = q_idx.device
+    nb_q = (positions + 1) // c  # complete blocks visible to each query
+    tail = nb_q[:, None] * c + torch.arange(c - 1, device=dev)  # (L, c-1)
+    tail_ok = tail <= positions[:, None]
     nb = blocks.shape[0]
-    key_pos = torch.arange(T, device=q_idx.device)
-    tail = (key_pos[None, :] >= (nb_q * c)[:, None]) & (key_pos[None, :] <= positions[:, None])
-    if nb == 0:
-        return tail
+    k = min(kb, nb)
+    if k == 0:
+        return tail, tail_ok
     scores = torch.relu(torch.einsum("lhd,md->lhm", q_idx.float(), blocks.float())).sum(1)
     scores = scores / cfg.indexer_head_dim ** 0.5
-    visible_block = torch.arange(nb, device=q_idx.device)[None, :] < nb_q[:, None]
-    scores = scores.masked_fill(~visible_block, float("-inf"))
-    k = min(kb, nb)
-    top = topk.select(scores, k)[1]  # (L, k)
-    chosen = torch.zeros(L, nb, dtype=torch.bool, device=q_idx.device)
-    chosen.scatter_(1, top, True)
-    chosen &= visible_block
-    token_sel = torch.zeros(L, T, dtype=torch.bool, device=q_idx.device)
-    token_sel[:, : nb * c] = chosen.repeat_interleave(c, dim=1)
-    return token_sel | tail
+    visible = torch.arange(nb, device=dev)[None, :] < nb_q[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    top_v, top_b = topk.select(scores, k)  # (L, k)
+    chosen = (top_b[:, :, None] * c + torch.arange(c, device=dev)).flatten(1)  # (L, k*c)
+    chosen_ok = torch.isfinite(top_v).repeat_interleave(c, dim=1)
+    return torch.cat([chosen, tail], 1), torch.cat([chosen_ok, tail_ok], 1)
 
 
-def qsa_layer(a: torch.Tensor, positions: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig,
-              state: QSAState, ops: Ops) -> torch.Tensor:
-    """One QSA mixer over L tokens at `positions` (consecutive, continuing the cache). Updates `state`."""
+def qsa_layer(a: torch.Tensor, positions: torch.Tensor, n_keys: int, w: Weights, layer: int, cfg: ModelConfig,
+              state: QSAState, ops: Ops, static: bool = False) -> torch.Tensor:
+    """One QSA mixer over L tokens at `positions` (continuing the cache); `n_keys` bounds the positions any
+    query can see (the state's capacity in a captured step). Writes this call's rows into `state`."""
     p = f"L{layer}."
     dt, dev = a.dtype, a.device
     L = a.shape[0]
     hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     hi, di, c = cfg.indexer_n_heads, cfg.indexer_head_dim, cfg.indexer_compress_ratio
     eps = cfg.rms_norm_eps
+    state.reserve(n_keys)
     cos, sin = rope_tables(positions, cfg, dt)
 
-    # Indexer: query heads, raw key cached; pooled keys for every block this call completes.
+    # Indexer: raw keys cached; pooled keys for every block this call completes; selection.
     qi = ops.linear(a, w[p + "idx.q"]).reshape(L, hi, di)
     qi = apply_rope(rms_norm(qi, w[p + "idx.q_norm"].dense(torch.float32, dev), eps), cos, sin)
-    state.idx_raw = torch.cat([state.idx_raw, ops.linear(a, w[p + "idx.k"])])
-    T = state.idx_raw.shape[0]
-    done = state.idx_blocks.shape[0]
-    if T // c > done:
-        raw = state.idx_raw[done * c: (T // c) * c].reshape(-1, c, di)
-        pooled = rms_norm(raw.float().mean(1).to(dt), w[p + "idx.k_norm"].dense(torch.float32, dev), eps)
-        starts = torch.arange(done, T // c, device=dev) * c
-        bcos, bsin = rope_tables(starts, cfg, dt)
-        new_blocks = apply_rope(pooled.unsqueeze(1), bcos, bsin).squeeze(1)
-        state.idx_blocks = torch.cat([state.idx_blocks, new_blocks])
-    allowed = select_blocks(qi, state.idx_blocks, positions, cfg)  # (L, T)
+    state.idx_raw.index_copy_(0, positions, ops.linear(a, w[p + "idx.k"]))
+    update_blocks(state, positions, w[p + "idx.k_norm"].dense(torch.float32, dev), cfg, static)
+    idx, ok = select_tokens(qi, state.idx_blocks[: n_keys // c], positions, cfg)
 
-    # Main attention.
+    # Main attention over the selected rows.
     qg = ops.linear(a, w[p + "attn.q"], w.get(p + "attn.q_bias")).reshape(L, hq, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:].reshape(L, hq * hd)
     q = apply_rope(rms_norm(q, w[p + "attn.q_norm"].dense(torch.float32, dev), eps), cos, sin)
     k = ops.linear(a, w[p + "attn.k"], w.get(p + "attn.k_bias")).reshape(L, hkv, hd)
     k = apply_rope(rms_norm(k, w[p + "attn.k_norm"].dense(torch.float32, dev), eps), cos, sin)
     v = ops.linear(a, w[p + "attn.v"], w.get(p + "attn.v_bias")).reshape(L, hkv, hd)
-    state.k = torch.cat([state.k, k])
-    state.v = torch.cat([state.v, v])
-
-    group = hq // hkv
-    keys = state.k.repeat_interleave(group, dim=1).transpose(0, 1)  # (hq, T, hd)
-    vals = state.v.repeat_interleave(group, dim=1).transpose(0, 1)
-    scores = (q.transpose(0, 1) @ keys.transpose(-1, -2)) * hd ** -0.5  # (hq, L, T)
-    scores = scores.masked_fill(~allowed.unsqueeze(0), float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dt)
-    o = (probs @ vals).transpose(0, 1).reshape(L, hq * hd)
-    o = o * torch.sigmoid(gate)
+    state.k.index_copy_(0, positions, k)
+    state.v.index_copy_(0, positions, v)
+    o = ops.attend(q, state, idx, ok, cfg) * torch.sigmoid(gate)
     return ops.linear(o, w[p + "attn.o"], w.get(p + "attn.o_bias"))

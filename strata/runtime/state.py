@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from strata.config import ModelConfig
+from strata.errors import StrataError
 
 
 @dataclass
@@ -35,21 +36,53 @@ class GDNState:
 
 @dataclass
 class QSAState:
-    """Per-sequence cache of one QSA layer. Rows are token positions 0..T-1."""
+    """Per-sequence cache of one QSA layer, in capacity-sized buffers; row t holds token position t.
 
-    k: torch.Tensor  # (T, Hkv, hd) after k_norm and RoPE, model dtype
-    v: torch.Tensor  # (T, Hkv, hd)
-    idx_raw: torch.Tensor  # (T, Di) raw indexer keys
-    idx_blocks: torch.Tensor  # (T // c, Di) pooled, normed, rotated block keys
+    A growable state doubles its buffers as the sequence grows (the reference path); a fixed one is allocated
+    once at its capacity so a captured decode step can write into it at a position held in device memory."""
+
+    k: torch.Tensor  # (cap, Hkv, hd) after k_norm and RoPE, model dtype
+    v: torch.Tensor  # (cap, Hkv, hd)
+    idx_raw: torch.Tensor  # (cap, Di) raw indexer keys (un-normalised, un-rotated)
+    idx_blocks: torch.Tensor  # (cap // c, Di) pooled keys of complete blocks, normed and rotated
+    ratio: int
+    fixed: bool = False
 
     @classmethod
-    def empty(cls, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> QSAState:
+    def empty(cls, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, capacity: int | None = None,
+              ) -> QSAState:
+        c = cfg.indexer_compress_ratio
+        cap = capacity if capacity is not None else 4 * cfg.selection_width
+        cap = -(-cap // c) * c
         hkv, hd, di = cfg.num_key_value_heads, cfg.head_dim, cfg.indexer_head_dim
         z = lambda *s: torch.zeros(*s, dtype=dtype, device=device)  # noqa: E731
-        return cls(z(0, hkv, hd), z(0, hkv, hd), z(0, di), z(0, di))
+        return cls(z(cap, hkv, hd), z(cap, hkv, hd), z(cap, di), z(cap // c, di), c, capacity is not None)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[0]
+
+    def reserve(self, n_keys: int) -> None:
+        """Make room for `n_keys` positions (grow a growable state; refuse past a fixed capacity)."""
+        if n_keys <= self.capacity:
+            return
+        if self.fixed:
+            raise StrataError(f"the sequence needs {n_keys} positions but its state was allocated for "
+                              f"{self.capacity} (raise the context capacity)")
+        cap = max(n_keys, 2 * self.capacity)
+        cap = -(-cap // self.ratio) * self.ratio
+
+        def grow(t: torch.Tensor, rows: int) -> torch.Tensor:
+            out = t.new_zeros(rows, *t.shape[1:])
+            out[: t.shape[0]] = t
+            return out
+
+        self.k, self.v, self.idx_raw = grow(self.k, cap), grow(self.v, cap), grow(self.idx_raw, cap)
+        self.idx_blocks = grow(self.idx_blocks, cap // self.ratio)
 
     def clone(self) -> QSAState:
-        return QSAState(self.k.clone(), self.v.clone(), self.idx_raw.clone(), self.idx_blocks.clone())
+        return QSAState(self.k.clone(), self.v.clone(), self.idx_raw.clone(), self.idx_blocks.clone(), self.ratio,
+                        self.fixed)
 
 
 @dataclass
@@ -78,9 +111,11 @@ class SequenceState:
     tokens: list[int] = field(default_factory=list)
 
     @classmethod
-    def empty(cls, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> SequenceState:
-        layers = [GDNState.empty(cfg, dtype, device) if cfg.is_linear(i) else QSAState.empty(cfg, dtype, device)
-                  for i in range(cfg.num_hidden_layers)]
+    def empty(cls, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, capacity: int | None = None,
+              ) -> SequenceState:
+        """A fresh state; `capacity` fixes the QSA buffers at that many positions (else they grow)."""
+        layers = [GDNState.empty(cfg, dtype, device) if cfg.is_linear(i)
+                  else QSAState.empty(cfg, dtype, device, capacity) for i in range(cfg.num_hidden_layers)]
         ple = {i: PLEState.empty(cfg, dtype, device) for i in cfg.ple}
         return cls(layers, ple)
 

@@ -1,0 +1,27 @@
+"""Reference attention over selected cache rows (the op a fused decode-attention kernel replaces)."""
+
+from __future__ import annotations
+
+import torch
+
+from strata.config import ModelConfig
+from strata.runtime.state import QSAState
+
+QUERY_BLOCK = 64  # queries per slice, to bound the gathered K/V memory in long prefills
+
+
+def attend_ref(q: torch.Tensor, state: QSAState, idx: torch.Tensor, ok: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Softmax attention of q (L, Hq, hd) over the cached K/V rows `idx` (L, W) where `ok`; (L, Hq*hd)."""
+    L, hq, hd = q.shape
+    group = hq // cfg.num_key_value_heads
+    out = []
+    for s in range(0, L, QUERY_BLOCK):
+        sl = slice(s, s + QUERY_BLOCK)
+        rows = idx[sl].clamp(0, state.capacity - 1)
+        keys = state.k[rows].repeat_interleave(group, dim=2)  # (l, W, hq, hd)
+        vals = state.v[rows].repeat_interleave(group, dim=2)
+        scores = torch.einsum("lhd,lwhd->lhw", q[sl], keys) * hd ** -0.5
+        scores = scores.masked_fill(~ok[sl, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out.append(torch.einsum("lhw,lwhd->lhd", probs, vals).reshape(-1, hq * hd))
+    return torch.cat(out)
