@@ -3,14 +3,19 @@ its chunked form (prefill) and its recurrent form (one token), both reading and 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from strata.config import ModelConfig
 from strata.model.norms import gated_rms_norm, l2norm
-from strata.model.ops import Ops
 from strata.runtime.state import GDNState
 from strata.weights.schema import Weights
+
+if TYPE_CHECKING:
+    from strata.model.ops import Ops
 
 
 def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, dilation: int = 1,
@@ -70,32 +75,36 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     return out, state
 
 
-def gdn_layer(a: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, state: GDNState, ops: Ops,
-              ) -> torch.Tensor:
-    """One Gated DeltaNet mixer over L tokens (L, H) -> (L, H); updates `state` in place (so a captured step
-    writes into the same buffers every replay)."""
-    p = f"L{layer}.gdn."
-    dt = a.dtype
-    L = a.shape[0]
+@dataclass
+class GDNParams:
+    """The small per-layer tensors of the GDN core, on the compute device, in their compute dtypes."""
+
+    conv: torch.Tensor  # (C, K) model dtype
+    A: torch.Tensor  # (nv,) fp32, = -exp(A_log)
+    dt_bias: torch.Tensor  # (nv,) fp32
+    norm: torch.Tensor  # (dv,) fp32, the plain gated-norm weight
+    value_order: str  # "grouped" or "tiled"
+
+
+def gdn_core_ref(x: torch.Tensor, z: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, prm: GDNParams,
+                 state: GDNState, cfg: ModelConfig) -> torch.Tensor:
+    """Everything between the input projections and out_proj: causal conv + activation, gates, l2 norms, the
+    gated delta rule (recurrent for one token, chunked otherwise) and the gated RMSNorm.
+    x (L, C), z (L, nv*dv), b / alpha (L, nv) -> (L, nv*dv) in the model dtype; updates `state` in place."""
+    dt = x.dtype
+    L = x.shape[0]
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    x = ops.linear(a, w[p + "qkv"])
-    z = ops.linear(a, w[p + "z"]).reshape(L, nv, dv)
-    b = ops.linear(a, w[p + "b"])
-    alpha = ops.linear(a, w[p + "a"])
-
-    conv, window = causal_conv(x, state.conv, w[p + "conv"].dense(dt, a.device))
+    conv, window = causal_conv(x, state.conv, prm.conv)
     state.conv.copy_(window)
     conv = F.silu(conv) if cfg.hidden_act == "silu" else torch.sigmoid(conv)
     q, k, v = torch.split(conv, [cfg.gdn_key_dim, cfg.gdn_key_dim, cfg.gdn_value_dim], dim=-1)
     q, k, v = q.reshape(L, nk, dk), k.reshape(L, nk, dk), v.reshape(L, nv, dv)
-
     beta = torch.sigmoid(b)  # model dtype, as the reference
-    g = w[p + "A"].dense(torch.float32, a.device) * F.softplus(
-        alpha.float() + w[p + "dt_bias"].dense(torch.float32, a.device))
+    g = prm.A * F.softplus(alpha.float() + prm.dt_bias)
     rep = nv // nk
     if rep > 1:
-        if w.gdn_value_order == "grouped":
+        if prm.value_order == "grouped":
             q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
         else:
             q, k = q.repeat(1, rep, 1), k.repeat(1, rep, 1)
@@ -104,7 +113,19 @@ def gdn_layer(a: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, state: 
     rule = delta_rule_recurrent if L == 1 else delta_rule_chunked
     o, recurrent = rule(qf, kf, v.float(), g, beta.float(), state.recurrent)
     state.recurrent.copy_(recurrent)
+    o = gated_rms_norm(o.to(dt), z.reshape(L, nv, dv), prm.norm, cfg.rms_norm_eps, cfg.gdn_gate_act)
+    return o.reshape(L, nv * dv)
 
-    o = gated_rms_norm(o.to(dt), z, w[p + "norm"].dense(torch.float32, a.device), cfg.rms_norm_eps,
-                       cfg.gdn_gate_act)
-    return ops.linear(o.reshape(L, nv * dv), w[p + "out"])
+
+def gdn_layer(a: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, state: GDNState, ops: Ops,
+              ) -> torch.Tensor:
+    """One Gated DeltaNet mixer over L tokens (L, H) -> (L, H); updates `state` in place (so a captured step
+    writes into the same buffers every replay)."""
+    p = f"L{layer}.gdn."
+    dev = a.device
+    prm = GDNParams(w[p + "conv"].dense(a.dtype, dev), w[p + "A"].dense(torch.float32, dev),
+                    w[p + "dt_bias"].dense(torch.float32, dev), w[p + "norm"].dense(torch.float32, dev),
+                    w.gdn_value_order)
+    o = ops.gdn_core(ops.linear(a, w[p + "qkv"]), ops.linear(a, w[p + "z"]), ops.linear(a, w[p + "b"]),
+                     ops.linear(a, w[p + "a"]), prm, state, cfg)
+    return ops.linear(o, w[p + "out"])

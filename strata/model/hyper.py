@@ -3,24 +3,38 @@ back with per-stream injection weights."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from strata.model.norms import grouped_rms_norm
-from strata.model.ops import Ops
 from strata.weights.schema import Weights
+from strata.weights.tensor import StoredTensor
+
+if TYPE_CHECKING:
+    from strata.model.ops import Ops
+
+
+def hc_read_ref(x: torch.Tensor, norm: torch.Tensor, down: StoredTensor, up: StoredTensor,
+                inject: StoredTensor | None, streams: int, eps: float, linear,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Block input a (L, H) from the state x (L, S*H), and the injection weights (L, S) for the write (None
+    for the final mixer, which has no inject weight). `norm` is the fp32 grouped-norm scale."""
+    xn = grouped_rms_norm(x, norm, x.shape[-1] // streams, eps)
+    m = F.silu(linear(xn, down) / streams)
+    gates = torch.sigmoid(linear(m, up))
+    a = (gates.unflatten(-1, (streams, -1)) * xn.unflatten(-1, (streams, -1))).mean(-2)
+    if inject is None:
+        return a, None
+    return a, 2 * torch.sigmoid(linear(xn, inject) / streams)
 
 
 def hc_read(x: torch.Tensor, w: Weights, prefix: str, streams: int, eps: float, ops: Ops,
             inject: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Block input a (L, H) from the state x (L, S*H), and the injection weights (L, S) for the write."""
-    xn = grouped_rms_norm(x, w[prefix + ".norm"].dense(torch.float32, x.device), x.shape[-1] // streams, eps)
-    m = F.silu(ops.linear(xn, w[prefix + ".down"]) / streams)
-    gates = torch.sigmoid(ops.linear(m, w[prefix + ".up"]))
-    a = (gates.unflatten(-1, (streams, -1)) * xn.unflatten(-1, (streams, -1))).mean(-2)
-    if not inject:
-        return a, None
-    return a, 2 * torch.sigmoid(ops.linear(xn, w[prefix + ".inject"]) / streams)
+    """The read of hyper-connection `prefix` ("L3.hc_attn", "final", ...) through the op table."""
+    return ops.hc_read(x, w[prefix + ".norm"].dense(torch.float32, x.device), w[prefix + ".down"],
+                       w[prefix + ".up"], w[prefix + ".inject"] if inject else None, streams, eps, ops.linear)
 
 
 def hc_write(x: torch.Tensor, inject: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
