@@ -45,6 +45,10 @@ class StoredTensor(ABC):
     def nbytes(self) -> int:
         """Stored bytes."""
 
+    def to(self, device: torch.device | str) -> StoredTensor:
+        """The same stored tensor, its bytes moved to `device` (storage type unchanged)."""
+        raise TypeError(f"{self.name}: {type(self).__name__} cannot be moved")
+
     @property
     def numel(self) -> int:
         n = 1
@@ -86,6 +90,9 @@ class DenseTensor(StoredTensor):
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 
+    def to(self, device: torch.device | str) -> StoredTensor:
+        return DenseTensor(self.name, self.tensor.to(device))
+
 
 class StackedTensor(StoredTensor):
     """A 3-D stack kept as its parts (one stored 2-D tensor per expert): never concatenated."""
@@ -112,6 +119,9 @@ class StackedTensor(StoredTensor):
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
+
+    def to(self, device: torch.device | str) -> StoredTensor:
+        return StackedTensor(self.name, [p.to(device) for p in self.parts])
 
 
 class RowConcatTensor(StoredTensor):
@@ -151,6 +161,9 @@ class RowConcatTensor(StoredTensor):
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
+
+    def to(self, device: torch.device | str) -> StoredTensor:
+        return RowConcatTensor(self.name, [p.to(device) for p in self.parts])
 
 
 def iter_leaves(t: StoredTensor) -> Iterator[StoredTensor]:

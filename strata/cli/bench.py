@@ -1,0 +1,81 @@
+"""`strata bench`: decode ms/token and prefill tok/s against the memory-bandwidth floor, on a synthetic model
+at the real geometry (default) or on a model file; writes JSON for bench/results/."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from strata.errors import StrataError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="measure decode and prefill speed against the memory-bandwidth floor",
+                       description="Decode ms/token (captured CUDA graph) at several context lengths and prefill "
+                                   "tok/s, with bytes per token, the floor, the fraction of the floor and a "
+                                   "per-stage table. Without --model: a synthetic model at the real "
+                                   "Qwen3.8-Flash-Next geometry, random weights in the stated type mix.")
+    p.add_argument("--model", metavar="PATH", default=None, help="HF folder or GGUF file (default: synthetic)")
+    p.add_argument("--contexts", default="4096,32768,131072",
+                   help="comma-separated context lengths for decode (default: 4096,32768,131072)")
+    p.add_argument("--tokens", type=int, default=64, help="decode tokens per timed run (default: 64)")
+    p.add_argument("--runs", type=int, default=3, help="timed runs per context; the median is reported")
+    p.add_argument("--prefill-tokens", type=int, default=512, help="prompt length for prefill (0: skip)")
+    p.add_argument("--no-stages", action="store_true", help="skip the per-stage table")
+    p.add_argument("--reference-ops", action="store_true", help="use the reference ops, not the Triton kernels")
+    p.add_argument("--layers", type=int, default=None,
+                   help="synthetic model with fewer layers (for a quick check; the default is the real 48)")
+    p.add_argument("--device", default="cuda", help="CUDA device (default: cuda)")
+    p.add_argument("--out", default=None, help="write the JSON report here")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from strata.runtime import bench
+    from strata.runtime.engine import load_weights
+    from strata.runtime.placement import fast_ops, place
+    from strata.runtime.synthetic import TypeMix, real_config, synthetic_weights
+
+    if not torch.cuda.is_available():
+        raise StrataError("strata bench needs a CUDA device")
+    try:
+        contexts = [int(c) for c in args.contexts.split(",") if c]
+    except ValueError:
+        raise StrataError(f"--contexts must be comma-separated integers, got {args.contexts!r}") from None
+    dev = torch.device(args.device)
+    bw = bench.copy_bandwidth(dev)
+    print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s", file=sys.stderr)
+    mix = TypeMix()
+    if args.model:
+        weights = place(load_weights(args.model), dev)
+        mix_text = "as stored in " + args.model
+    else:
+        cfg = real_config() if args.layers is None else real_config(
+            num_hidden_layers=args.layers, layer_types=None)
+        weights = synthetic_weights(cfg, mix, dev)
+        mix_text = mix.describe()
+    from strata.model.model import Model
+
+    ops = None if args.reference_ops else fast_ops()
+    model = Model(weights, torch.bfloat16, dev, ops)
+    report = {"commit": bench.git_commit(), "gpu": torch.cuda.get_device_name(dev),
+              "copy_bandwidth_bytes_per_s": bw, "model": args.model or "synthetic (real geometry)",
+              "type_mix": mix_text, "layers": weights.cfg.num_hidden_layers,
+              "ops": "reference" if ops is None else "triton", "decode": []}
+    for ctx in contexts:
+        r = bench.bench_decode(model, ctx, args.tokens, args.runs, stage_table=not args.no_stages)
+        b = bench.token_bytes(weights, ctx)
+        r["bytes_per_token"] = b
+        r["floor_ms"] = b["total"] / bw * 1e3
+        r["fraction_of_floor"] = r["floor_ms"] / r["ms_per_token"]
+        report["decode"].append(r)
+        print(f"ctx {ctx:>7}: {r['ms_per_token']:.3f} ms/token ({r['tok_per_s']:.1f} tok/s), floor "
+              f"{r['floor_ms']:.3f} ms, {100 * r['fraction_of_floor']:.1f}% of floor", file=sys.stderr)
+    if args.prefill_tokens:
+        report["prefill"] = bench.bench_prefill(model, args.prefill_tokens)
+    print(bench.format_table(report))
+    if args.out:
+        bench.write_report(report, args.out)
+    return 0

@@ -1,0 +1,248 @@
+"""Decode and prefill speed, reported against the memory-bandwidth floor (shared/design/performance-model.md).
+
+bytes_per_token comes from the loaded model itself (its real storage types), plus the GDN state traffic and
+the QSA cache rows a token reads at the context length; the floor divides it by a device-to-device copy
+bandwidth measured in the same process just before. Decode is timed as the captured step replayed token after
+token (CUDA events, median of several runs), and the per-stage table times each op of one step on its own
+(each op call captured and replayed), attributed to GDN or QSA layers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import subprocess
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from strata.config import ModelConfig
+from strata.model.model import Model
+from strata.model.ops import Ops
+from strata.runtime.graph import DecodeStep
+from strata.weights.inventory import inventory, role_of
+from strata.weights.schema import Weights
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, repeats: int = 10) -> float:
+    """Bytes read + written per second of a large device-to-device copy."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)
+
+
+def token_bytes(w: Weights, context: int) -> dict[str, float]:
+    """Bytes one decode token reads: weights (dense whole, k/E of experts, embedding/PLE rows), GDN recurrent
+    state read + written, and the QSA rows selected at `context` plus the pooled indexer keys scored."""
+    cfg = w.cfg
+    inv = inventory(w)
+    n_gdn = sum(cfg.is_linear(i) for i in range(cfg.num_hidden_layers))
+    n_qsa = cfg.num_hidden_layers - n_gdn
+    gdn_state = n_gdn * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4 * 2
+    qsa = 0.0
+    if n_qsa:
+        elt = 2  # model-dtype cache
+        rows = min(context, cfg.selection_width)
+        qsa = n_qsa * (rows * 2 * cfg.num_key_value_heads * cfg.head_dim * elt
+                       + (context // cfg.indexer_compress_ratio) * cfg.indexer_head_dim * elt)
+    return {"weights": inv.bytes_per_token, "gdn_state": gdn_state, "qsa_cache": qsa,
+            "total": inv.bytes_per_token + gdn_state + qsa}
+
+
+def fill_state(step: DecodeStep, context: int, gen: torch.Generator) -> None:
+    """Put the step's state at `context` tokens with random cache contents: decode work depends on the
+    context length, not on the cached values, so this stands in for a prefill of `context` tokens."""
+    st = step.state
+    for layer in st.layers:
+        for name, t in vars(layer).items():
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                t.copy_(torch.randn(t.shape, generator=gen, device=t.device, dtype=torch.float32).mul_(0.1))
+    for p in st.ple.values():
+        p.conv.normal_(0, 0.1, generator=gen)
+    st.length = context
+    st.tokens = [1] * context
+
+
+@dataclass
+class StageTimes:
+    """Per-op device times of one decode step, by stage and layer kind (ms)."""
+
+    ms: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
+    _depth: int = 0
+    _layer_kind: str = "-"
+
+
+def _stage_of_linear(name: str) -> str:
+    role = role_of(re.sub(r"\[.*\]$", "", name))
+    return {"hyper-connections": "hc", "gdn": "gdn.proj", "qsa": "qsa.proj", "router": "router",
+            "shared-expert": "shared", "ple": "ple", "head": "head", "embed": "embed",
+            "experts": "experts"}.get(role, role)
+
+
+def timed_ops(base: Ops, cfg: ModelConfig, times: StageTimes, replays: int = 20) -> Ops:
+    """An op table that runs each outermost op call normally, then captures that call alone into a graph and
+    times its replays. Only for measurement: replays repeat in-place state updates."""
+
+    def kind_from(args) -> str | None:
+        for a in args:
+            name = getattr(a, "name", None)
+            if isinstance(name, str) and (m := re.match(r"L(\d+)\.", name)):
+                return "gdn" if cfg.is_linear(int(m.group(1))) else "qsa"
+        return None
+
+    def wrap(fn, stage):
+        def call(*args, **kwargs):
+            if times._depth:
+                return fn(*args, **kwargs)
+            k = kind_from(args)
+            if k:
+                times._layer_kind = k
+            label = stage(args) if callable(stage) else stage
+            kind = times._layer_kind if label not in ("head", "embed") else "-"
+            times._depth += 1
+            try:
+                out = fn(*args, **kwargs)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    fn(*args, **kwargs)
+                g.replay()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(replays):
+                    g.replay()
+                b.record()
+                b.synchronize()
+                times.ms[(label, kind)] += a.elapsed_time(b) / replays
+            finally:
+                times._depth -= 1
+            return out
+        return call
+
+    return Ops(
+        linear=wrap(base.linear, lambda args: _stage_of_linear(args[1].name)),
+        embed=wrap(base.embed, "embed"),
+        attend=wrap(base.attend, "qsa.attend"),
+        experts=wrap(base.experts, "experts"),
+        gdn_core=wrap(base.gdn_core, "gdn.core"),
+        hc_read=wrap(base.hc_read, "hc"),
+    )
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def bench_decode(model: Model, context: int, tokens: int = 64, runs: int = 3, seed: int = 0,
+                 stage_table: bool = True) -> dict:
+    """Decode ms/token at `context` through the captured step, and the per-stage table."""
+    dev = model.device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    step = DecodeStep(model, capacity=context + tokens * (runs + 2) + 8, capture=True)
+    fill_state(step, context, gen)
+    tok = 11
+    t0 = time.perf_counter()
+    step.step(tok)  # captures
+    capture_s = time.perf_counter() - t0
+    for _ in range(tokens // 4):
+        tok = int(step.step(tok).argmax())
+    per_token_ms, wall_ms = [], []
+    for _ in range(runs):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        w0 = time.perf_counter()
+        a.record()
+        for _ in range(tokens):
+            tok = int(step.step(tok).argmax())  # host reads each token, as a streaming decode does
+        b.record()
+        b.synchronize()
+        wall_ms.append((time.perf_counter() - w0) * 1e3 / tokens)
+        per_token_ms.append(a.elapsed_time(b) / tokens)
+    # device-only: replays back to back, no host work between them
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(tokens):
+        step.graph.replay()
+    b.record()
+    b.synchronize()
+    replay_ms = a.elapsed_time(b) / tokens
+    out = {"context": context, "tokens_timed": tokens * runs, "ms_per_token": statistics.median(per_token_ms),
+           "ms_per_token_runs": per_token_ms, "wall_ms_per_token": statistics.median(wall_ms),
+           "graph_replay_ms": replay_ms, "capture_s": capture_s}
+    out["tok_per_s"] = 1e3 / out["ms_per_token"]
+    if stage_table:
+        times = StageTimes()
+        prof = Model(model.w, model.dtype, model.device, timed_ops(step.model.ops, model.cfg, times))
+        inputs = step.inputs
+        torch.cuda.synchronize()
+        with torch.inference_mode():
+            prof.run(inputs, step.state, static=True)
+            prof.logits(torch.zeros(1, model.cfg.hidden_size, dtype=model.dtype, device=dev))
+        table = defaultdict(dict)
+        for (stage, kind), ms in sorted(times.ms.items()):
+            table[stage][kind] = round(ms, 4)
+        out["stages_ms"] = dict(table)
+        out["stages_sum_ms"] = sum(times.ms.values())
+    del step
+    torch.cuda.empty_cache()
+    return out
+
+
+def bench_prefill(model: Model, tokens: int, seed: int = 0) -> dict:
+    """Prefill tok/s of one prompt of `tokens` random ids (eager, chunked)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.cfg.vocab_size, (tokens,), generator=gen)
+    state = model.new_state(capacity=tokens + 8)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for s in range(0, tokens, 512):
+            model.forward(ids[s:s + 512], state, last_only=True)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    return {"tokens": tokens, "seconds": dt, "tok_per_s": tokens / dt}
+
+
+def write_report(report: dict, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=2, default=str))
+
+
+def format_table(report: dict) -> str:
+    """A short text table of a report: one line per context, then the per-stage table of the first."""
+    lines = [f"{report['gpu']} | copy {report['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s | {report['model']} "
+             f"| ops {report['ops']}", f"type mix: {report['type_mix']}",
+             f"{'context':>8} {'ms/tok':>8} {'tok/s':>8} {'wall ms':>8} {'MB/tok':>8} {'floor ms':>9} {'floor%':>7}"]
+    for r in report["decode"]:
+        lines.append(f"{r['context']:>8} {r['ms_per_token']:>8.3f} {r['tok_per_s']:>8.1f} "
+                     f"{r['wall_ms_per_token']:>8.3f} {r['bytes_per_token']['total'] / 1e6:>8.1f} "
+                     f"{r['floor_ms']:>9.3f} {100 * r['fraction_of_floor']:>6.1f}%")
+    if "prefill" in report:
+        p = report["prefill"]
+        lines.append(f"prefill: {p['tokens']} tokens in {p['seconds']:.2f} s = {p['tok_per_s']:.1f} tok/s")
+    first = report["decode"][0] if report["decode"] else {}
+    if "stages_ms" in first:
+        lines.append(f"per-stage ms (context {first['context']}; sum {first['stages_sum_ms']:.3f} ms of "
+                     f"{first['ms_per_token']:.3f} ms):")
+        lines.append(f"{'stage':<14}{'gdn':>9}{'qsa':>9}{'-':>9}")
+        for stage, kinds in first["stages_ms"].items():
+            lines.append(f"{stage:<14}" + "".join(f"{kinds.get(k, 0.0):>9.3f}" for k in ("gdn", "qsa", "-")))
+    return "\n".join(lines)

@@ -1,0 +1,40 @@
+"""Where weights live and which op table runs them.
+
+The plan today is simple and printed by `strata inspect`: on a GPU every tensor goes to device memory except
+the PLE n-gram table, which stays in host RAM or in its mapped file (only the rows a token hashes to are read,
+on the host, before the step). Experts in host RAM with a CPU pool and an adaptive VRAM expert cache are the
+next placements to add.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata.model.ops import Ops
+from strata.weights.schema import Weights
+from strata.weights.tensor import StoredTensor
+
+HOST_RESIDENT = ("ple.table",)
+
+
+def place(w: Weights, device: torch.device | str) -> Weights:
+    """The weight set with every tensor but the host-resident ones moved to `device`."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return w
+    moved: dict[str, StoredTensor] = {}
+    for name, t in w.tensors.items():
+        moved[name] = t if name.endswith(HOST_RESIDENT) else t.to(device)
+    return Weights(w.cfg, moved, w.gdn_value_order, w.source, w.unknown)
+
+
+def fast_ops(base: Ops | None = None) -> Ops:
+    """The op table with every available Triton kernel installed (each falls back to the reference for
+    inputs it does not cover)."""
+    ops = base or Ops()
+    from strata.kernels.ops import triton_ops
+
+    ops = triton_ops(ops)
+    from strata.kernels.fused import fused_ops
+
+    return fused_ops(ops)
