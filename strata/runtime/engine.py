@@ -42,15 +42,21 @@ def load_weights(path: str | Path) -> Weights:
 
 
 class Engine:
-    """A model ready to run: `new_state()`, `prefill(ids, state)`, `decode(token, state)`."""
+    """A model ready to run: `new_state()`, `prefill(ids, state)`, `decode(token, state)`. On a CUDA device the
+    weights are placed there (the PLE table stays on the host) and the Triton kernels are installed."""
 
     def __init__(self, weights: Weights, dtype: str | torch.dtype = "float32", device: str = "cpu",
                  ops: Ops | None = None, path: Path | None = None):
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            from strata.runtime.placement import fast_ops, place
+
+            weights = place(weights, self.device)
+            ops = ops or fast_ops()
         self.weights = weights
         self.cfg = weights.cfg
         self.path = path
         self.dtype = resolve_dtype(dtype)
-        self.device = torch.device(device)
         self.model = Model(weights, self.dtype, self.device, ops)
 
     @classmethod
