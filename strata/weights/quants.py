@@ -81,6 +81,7 @@ _SUPPORTED: tuple[tuple[GGMLType, Decoder], ...] = (
     (GGMLType(35, "TQ2_0", 256, 66), k.tq2_0),
     (GGMLType(39, "MXFP4", 32, 17), k.mxfp4),
     (GGMLType(40, "NVFP4", 64, 36), k.nvfp4),
+    (GGMLType(42, "Q2_0", 64, 18), k.q2_0),
 )
 
 GGML_TYPES: dict[int, GGMLType] = {t.id: t for t, _ in _SUPPORTED}

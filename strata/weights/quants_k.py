@@ -132,6 +132,13 @@ def q8_0(blocks: Tensor) -> Tensor:
     return blocks[:, 2:34].view(torch.int8).to(torch.float32) * f16_at(blocks, 0)
 
 
+def q2_0(blocks: Tensor) -> Tensor:
+    """d (f16), 16 bytes of 2-bit codes, weight j at bits 2*(j%4) of byte j//4; w = d * (q - 1).
+    (Mainline ggml's Q2_0, type 42: blocks of 64; not in the gguf 0.19 package, checked against the fixtures.)"""
+    q = bits(ints(blocks, 2, 18), (0, 2, 4, 6), 3, dim=-1).reshape(blocks.shape[0], 64) - 1
+    return f16_at(blocks, 0) * q.to(torch.float32)
+
+
 # --- k-quants (256-weight super-blocks) -------------------------------------------------------------------------
 
 
