@@ -12,6 +12,8 @@ from strata.errors import StrataError
 COMMANDS = {
     "logits": "logits",
     "inspect": "inspect",
+    "generate": "generate",
+    "chat": "chat",
 }
 
 
