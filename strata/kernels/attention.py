@@ -1,0 +1,219 @@
+"""Decode attention over selected cache rows, and the indexer's block scores: the twins of
+`strata.model.attention.attend_ref` and of the scoring half of `strata.model.qsa.select_tokens`.
+
+Attention (`attend`). At the real geometry a query attends to up to B + c - 1 = 2051 cache rows of 2 KV heads
+x 256 dims: ~4 MiB of K/V gathered by index per layer, so the op is a memory-bound gather. The reference
+materialises the gathered rows (and repeats them per GQA group); here each program reads its K/V rows straight
+from `state.k` / `state.v` by index, once for all the query heads of its KV head (the GQA group is the M
+dimension of the dot), with an online softmax in fp32 (flash-decoding). The key axis is split across programs
+so that L x Hkv x splits fills the GPU; a second small launch merges the splits' (max, sum, partial output).
+With a single split the first launch normalises and writes the output itself. The split count depends only on
+shapes, never on data, so it is capturable.
+
+Indexer scores (`block_scores`). At 128K context there are 32K pooled block keys (8 MiB in bf16). The
+reference scores every block of the capacity-sized buffer and masks afterwards; the kernel masks the *loads*
+by the query's visible block count (read from device memory), so it reads only the blocks that exist yet and
+costs O(context), not O(capacity). The top-k stays `torch.topk` (capturable), and the token expansion is the
+reference's, so the selection agrees with `select_tokens` whenever the k-th block's margin exceeds fp32
+accumulation-order rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from strata.config import ModelConfig
+from strata.model import topk
+from strata.runtime.state import QSAState
+
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+MAX_L = 16  # longest call the kernel takes: its split scratch grows as L x Hq x splits x hd fp32
+
+
+@triton.jit
+def _attn_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ok_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+                       HQ, HD, W, CAP, G, SPLIT, NS,
+                       s_ql, s_qh, s_kr, s_kh, s_vr, s_vh, s_il, s_ol, s_outl, scale,
+                       GP: tl.constexpr, HDP: tl.constexpr, BW: tl.constexpr, SINGLE: tl.constexpr,
+                       IEEE: tl.constexpr, DT: tl.constexpr):
+    l = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    g = tl.arange(0, GP)
+    gm = g < G
+    heads = kvh * G + g
+    d = tl.arange(0, HDP)
+    dm = d < HD
+    q = tl.load(q_ptr + l * s_ql + heads[:, None] * s_qh + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, HDP], tl.float32)
+    start = sp * SPLIT
+    for w0 in range(start, start + SPLIT, BW):
+        w = w0 + tl.arange(0, BW)
+        wm = w < W
+        rows = tl.load(idx_ptr + l * s_il + w, mask=wm, other=0)
+        rows = tl.minimum(tl.maximum(rows, 0), CAP - 1)
+        valid = (tl.load(ok_ptr + l * s_ol + w, mask=wm, other=0) != 0) & wm
+        lm = valid[:, None] & dm[None, :]
+        kt = tl.load(k_ptr + rows[:, None] * s_kr + kvh * s_kh + d[None, :], mask=lm, other=0.0)
+        if IEEE:
+            sc = tl.dot(q, tl.trans(kt), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(kt))
+        sc = tl.where(valid[None, :], sc * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        corr = tl.exp(m_i - m_safe)
+        p = tl.exp(sc - m_safe[:, None])
+        l_i = l_i * corr + tl.sum(p, axis=1)
+        vt = tl.load(v_ptr + rows[:, None] * s_vr + kvh * s_vh + d[None, :], mask=lm, other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(vt.dtype), vt)
+        acc = acc * corr[:, None] + pv
+        m_i = m_new
+    if SINGLE:
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + l * s_outl + heads[:, None] * HD + d[None, :], o.to(DT), mask=gm[:, None] & dm[None, :])
+    else:
+        base = (l * HQ + heads) * NS + sp
+        tl.store(m_ptr + base, m_i, mask=gm)
+        tl.store(l_ptr + base, l_i, mask=gm)
+        tl.store(acc_ptr + base[:, None] * HD + d[None, :], acc, mask=gm[:, None] & dm[None, :])
+
+
+@triton.jit
+def _attn_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, HQ, HD, NS, s_outl,
+                       NSP: tl.constexpr, HDP: tl.constexpr, DT: tl.constexpr):
+    l = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, NSP)
+    sm = s < NS
+    d = tl.arange(0, HDP)
+    dm = d < HD
+    base = (l * HQ + h) * NS + s
+    m = tl.load(m_ptr + base, mask=sm, other=float("-inf"))
+    lv = tl.load(l_ptr + base, mask=sm, other=0.0)
+    mx = tl.max(m, axis=0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    wgt = tl.exp(m - mx)
+    den = tl.sum(wgt * lv, axis=0)
+    acc = tl.load(acc_ptr + base[:, None] * HD + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
+    o = tl.sum(acc * wgt[:, None], axis=0) / den
+    tl.store(out_ptr + l * s_outl + h * HD + d, o.to(DT), mask=dm)
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors to fill; 1 off CUDA, where the kernels run in the interpreter and every extra
+    program only costs time."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def attend_supported(q: torch.Tensor, state: QSAState) -> bool:
+    """Calls the kernel takes: few queries, a known dtype, K/V rows with a unit inner stride."""
+    return (q.shape[0] <= MAX_L and q.dtype in TL_DTYPES and state.k.dtype == q.dtype
+            and state.k.stride(-1) == 1 and state.v.stride(-1) == 1)
+
+
+def attend(q: torch.Tensor, state: QSAState, idx: torch.Tensor, ok: torch.Tensor, cfg: ModelConfig,
+           split: int | None = None, block_w: int = 32) -> torch.Tensor:
+    """Softmax attention of q (L, Hq, hd) over cache rows `idx` (L, W) where `ok`; (L, Hq*hd) in q's dtype.
+    `split` is the number of keys per program (a multiple of `block_w`; None picks one that fills the GPU)."""
+    L, hq, hd = q.shape
+    hkv = cfg.num_key_value_heads
+    G = hq // hkv
+    W = idx.shape[1]
+    dev = q.device
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    idx = idx.contiguous()
+    okb = ok.contiguous().view(torch.uint8)
+    if split is None:
+        want = max(1, triton.cdiv(2 * sm_count(dev), L * hkv))  # programs per (query, KV head)
+        split = triton.cdiv(triton.cdiv(W, want), block_w) * block_w
+    split = max(block_w, triton.cdiv(split, block_w) * block_w)
+    ns = triton.cdiv(W, split)
+    out = torch.empty(L, hq * hd, dtype=q.dtype, device=dev)
+    single = ns == 1
+    if single:
+        m = lsum = acc = out  # unused by the kernel
+    else:
+        m = torch.empty(L * hq * ns, dtype=torch.float32, device=dev)
+        lsum = torch.empty_like(m)
+        acc = torch.empty(L * hq * ns * hd, dtype=torch.float32, device=dev)
+    HDP = max(16, triton.next_power_of_2(hd))
+    _attn_split_kernel[(L, hkv, ns)](
+        q, state.k, state.v, idx, okb, out, m, lsum, acc,
+        hq, hd, W, state.capacity, G, split, ns,
+        q.stride(0), q.stride(1), state.k.stride(0), state.k.stride(1), state.v.stride(0), state.v.stride(1),
+        idx.stride(0), okb.stride(0), out.stride(0), hd ** -0.5,
+        GP=max(16, triton.next_power_of_2(G)), HDP=HDP, BW=block_w, SINGLE=single,
+        IEEE=q.dtype == torch.float32, DT=TL_DTYPES[q.dtype])
+    if not single:
+        _attn_merge_kernel[(L, hq)](m, lsum, acc, out, hq, hd, ns, out.stride(0),
+                                    NSP=triton.next_power_of_2(ns), HDP=HDP, DT=TL_DTYPES[q.dtype])
+    return out
+
+
+@triton.jit
+def _block_scores_kernel(q_ptr, blk_ptr, pos_ptr, out_ptr, NB, DI, C, s_ql, s_qh, s_b, s_ol, inv_sqrt,
+                         HI: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr):
+    l = tl.program_id(0)
+    mb = tl.program_id(1)
+    nbq = (tl.load(pos_ptr + l) + 1) // C  # complete blocks this query may see
+    m = mb * BM + tl.arange(0, BM)
+    vis = (m < nbq) & (m < NB)
+    d = tl.arange(0, DP)
+    dm = d < DI
+    blk = tl.load(blk_ptr + m[:, None] * s_b + d[None, :], mask=vis[:, None] & dm[None, :], other=0.0)
+    blk = blk.to(tl.float32)
+    acc = tl.zeros([BM], tl.float32)
+    for h in tl.static_range(HI):
+        qh = tl.load(q_ptr + l * s_ql + h * s_qh + d, mask=dm, other=0.0).to(tl.float32)
+        acc += tl.maximum(tl.sum(blk * qh[None, :], axis=1), 0.0)
+    acc = tl.where(vis, acc * inv_sqrt, float("-inf"))
+    tl.store(out_ptr + l * s_ol + m, acc, mask=m < NB)
+
+
+def block_scores(q_idx: torch.Tensor, blocks: torch.Tensor, positions: torch.Tensor, cfg: ModelConfig,
+                 block_m: int = 64) -> torch.Tensor:
+    """Indexer scores (L, nb) fp32: sum over indexer heads of ReLU(q . k_block) / sqrt(Di), -inf for blocks
+    the query cannot see yet (only visible blocks are read)."""
+    L, hi, di = q_idx.shape
+    nb = blocks.shape[0]
+    q_idx = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
+    blocks = blocks if blocks.stride(-1) == 1 else blocks.contiguous()
+    positions = positions.contiguous()
+    out = torch.empty(L, nb, dtype=torch.float32, device=q_idx.device)
+    _block_scores_kernel[(L, triton.cdiv(nb, block_m))](
+        q_idx, blocks, positions, out, nb, di, cfg.indexer_compress_ratio,
+        q_idx.stride(0), q_idx.stride(1), blocks.stride(0), out.stride(0), 1.0 / cfg.indexer_head_dim ** 0.5,
+        HI=hi, DP=triton.next_power_of_2(di), BM=block_m)
+    return out
+
+
+def select_tokens(q_idx: torch.Tensor, blocks: torch.Tensor, positions: torch.Tensor, cfg: ModelConfig,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`strata.model.qsa.select_tokens` with the block scores from the kernel: token indices (L, W) and their
+    validity (L, W), W <= B + c - 1. The expansion below mirrors the reference line for line (the tests hold
+    the two together)."""
+    c, kb = cfg.indexer_compress_ratio, cfg.block_topk
+    dev = q_idx.device
+    nb_q = (positions + 1) // c
+    tail = nb_q[:, None] * c + torch.arange(c - 1, device=dev)
+    tail_ok = tail <= positions[:, None]
+    nb = blocks.shape[0]
+    k = min(kb, nb)
+    if k == 0:
+        return tail, tail_ok
+    scores = block_scores(q_idx, blocks, positions, cfg)
+    top_v, top_b = topk.select(scores, k)
+    chosen = (top_b[:, :, None] * c + torch.arange(c, device=dev)).flatten(1)
+    chosen_ok = torch.isfinite(top_v).repeat_interleave(c, dim=1)
+    return torch.cat([chosen, tail], 1), torch.cat([chosen_ok, tail_ok], 1)

@@ -1,0 +1,93 @@
+"""The fused-kernel op table: `fused_ops(base)` installs the Triton twins of the decode-critical ops.
+
+Each installed entry keeps the reference's signature and decides per call: the kernel when the inputs live on a
+CUDA device (or when `force` is set, which is how the CPU tests run the kernels under TRITON_INTERPRET=1) and
+the shape case is one the kernel handles (one token for GDN and the hyper-connection read, a few queries for
+attention), else the entry it replaces in `base`. So prefill, quantized weights and CPU runs keep the reference
+math, and a captured decode step gets the kernels without the model knowing.
+
+The indexer selection (`strata.model.qsa.select_tokens`) is not an op-table entry today; `fused_ops` replaces
+any entry whose value *is* that function, so the fast selection is picked up as soon as the table carries it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from strata.config import ModelConfig
+from strata.kernels import attention, gdn, hyper
+from strata.model.gdn import GDNParams
+from strata.model.ops import Ops
+from strata.model.qsa import select_tokens as select_tokens_ref
+from strata.runtime.state import GDNState, QSAState
+from strata.weights.tensor import StoredTensor
+
+
+def _on_device(t: torch.Tensor, force: bool) -> bool:
+    return force or t.is_cuda
+
+
+def make_gdn_core(fallback: Callable, force: bool = False) -> Callable:
+    """gdn_core entry: the fused one-token step, else `fallback`."""
+
+    def gdn_core(x: torch.Tensor, z: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, prm: GDNParams,
+                 state: GDNState, cfg: ModelConfig) -> torch.Tensor:
+        if _on_device(x, force) and gdn.supported(x, state, cfg):
+            return gdn.gdn_step(x, z, b, alpha, prm, state, cfg)
+        return fallback(x, z, b, alpha, prm, state, cfg)
+
+    return gdn_core
+
+
+def make_attend(fallback: Callable, force: bool = False) -> Callable:
+    """attend entry: the index-reading flash-decoding kernel for a few queries, else `fallback`."""
+
+    def attend(q: torch.Tensor, state: QSAState, idx: torch.Tensor, ok: torch.Tensor, cfg: ModelConfig,
+               ) -> torch.Tensor:
+        if _on_device(q, force) and attention.attend_supported(q, state):
+            return attention.attend(q, state, idx, ok, cfg)
+        return fallback(q, state, idx, ok, cfg)
+
+    return attend
+
+
+def make_hc_read(fallback: Callable, force: bool = False) -> Callable:
+    """hc_read entry: the two-launch fused read for one token with dense weights, else `fallback`."""
+
+    def hc_read(x: torch.Tensor, norm: torch.Tensor, down: StoredTensor, up: StoredTensor,
+                inject: StoredTensor | None, streams: int, eps: float, linear: Callable,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if _on_device(x, force) and hyper.supported(x, down, up, inject):
+            return hyper.hc_read(x, norm, down, up, inject, streams, eps)
+        return fallback(x, norm, down, up, inject, streams, eps, linear)
+
+    return hc_read
+
+
+def make_select_tokens(fallback: Callable, force: bool = False) -> Callable:
+    """Indexer selection: kernel block scores for a few queries, else `fallback`."""
+
+    def select_tokens(q_idx: torch.Tensor, blocks: torch.Tensor, positions: torch.Tensor, cfg: ModelConfig,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        if _on_device(q_idx, force) and q_idx.shape[0] <= attention.MAX_L:
+            return attention.select_tokens(q_idx, blocks, positions, cfg)
+        return fallback(q_idx, blocks, positions, cfg)
+
+    return select_tokens
+
+
+def fused_ops(base: Ops, force: bool = False) -> Ops:
+    """`base` with the fused entries installed (each falling back to what `base` had). `force` runs the
+    kernels on any device (CPU tensors need TRITON_INTERPRET=1); without it they run only on CUDA tensors."""
+    entries = {
+        "gdn_core": make_gdn_core(base.gdn_core, force),
+        "attend": make_attend(base.attend, force),
+        "hc_read": make_hc_read(base.hc_read, force),
+    }
+    for f in dataclasses.fields(base):
+        if getattr(base, f.name) is select_tokens_ref:
+            entries[f.name] = make_select_tokens(select_tokens_ref, force)
+    return dataclasses.replace(base, **entries)

@@ -1,0 +1,223 @@
+"""The fused Triton kernels equal their reference twins (run on the CPU by Triton's interpreter).
+
+Shapes are tiny because the interpreter executes every program in Python. Tolerances: in float32 each kernel
+computes the reference's math with the same roundings and only a different fp32 accumulation order (dot
+products of <= 64 terms, softmax sums, GEMV rows), so results agree to a few fp32 ulps of the values' scale;
+1e-5 absolute on O(1) values leaves ~50x headroom. The bf16 hyper-connection check allows one bf16 ulp, the
+size of a single accumulation-order flip in a rounded intermediate.
+
+Triton must be importable: a missing Triton is an error here, never a skip.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: run the kernels on the CPU
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402,F401  (fails the module when Triton is missing)
+
+from strata.config import ModelConfig  # noqa: E402
+from strata.kernels import attention, gdn, hyper, sample  # noqa: E402
+from strata.kernels.fused import fused_ops  # noqa: E402
+from strata.model.attention import attend_ref  # noqa: E402
+from strata.model.gdn import GDNParams, gdn_core_ref  # noqa: E402
+from strata.model.hyper import hc_read_ref  # noqa: E402
+from strata.model.ops import Ops, linear_ref  # noqa: E402
+from strata.model.qsa import select_tokens  # noqa: E402
+from strata.runtime.engine import Engine  # noqa: E402
+from strata.runtime.state import GDNState, QSAState  # noqa: E402
+from strata.weights.hf import load_hf  # noqa: E402
+from strata.weights.tensor import DenseTensor  # noqa: E402
+from tests import reference  # noqa: E402
+
+
+def config(**overrides) -> ModelConfig:
+    return ModelConfig.from_hf_dict(dict(reference.CONFIGS["tiny"], **overrides))
+
+
+# ------------------------------------------------------------------------------------------------ GDN
+@pytest.mark.parametrize("order,gate", [("grouped", "silu"), ("tiled", "sigmoid")])
+def test_gdn_step_matches_reference(order, gate):
+    cfg = config(output_gate_type=gate)
+    g = torch.Generator().manual_seed(1)
+    C, nv, dk, dv, K = (cfg.gdn_conv_dim, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                        cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim)
+    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    prm = GDNParams(rnd(C, K) * 0.5, -torch.rand(nv, generator=g) * 2, rnd(nv), rnd(dv), order)
+    ref = GDNState(rnd(C, K - 1), rnd(nv, dk, dv))
+    ours = ref.clone()
+    for step in range(3):  # the state written by one step feeds the next
+        x, z, b, a = rnd(1, C), rnd(1, nv * dv), rnd(1, nv), rnd(1, nv) * 4
+        if step == 2:
+            a[0, 0] = 30.0  # softplus past its threshold of 20
+        want = gdn_core_ref(x, z, b, a, prm, ref, cfg)
+        got = gdn.gdn_step(x, z, b, a, prm, ours, cfg, block_v=8)
+        assert torch.allclose(got, want, atol=1e-5, rtol=0)
+        assert torch.equal(ours.conv, ref.conv)
+        assert torch.allclose(ours.recurrent, ref.recurrent, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------ attention
+@pytest.mark.parametrize("L,W,split", [(1, 11, None), (1, 70, 32), (3, 70, 64)])
+def test_attend_matches_reference(L, W, split):
+    cfg = config()
+    g = torch.Generator().manual_seed(2)
+    state = QSAState.empty(cfg, torch.float32, "cpu", 64)
+    state.k.normal_(generator=g)
+    state.v.normal_(generator=g)
+    q = torch.randn(L, cfg.num_attention_heads, cfg.head_dim, generator=g)
+    idx = torch.randint(-2, 66, (L, W), generator=g)  # out-of-range rows are clamped, as in the reference
+    ok = torch.rand(L, W, generator=g) > 0.3
+    ok[:, 0] = True
+    got = attention.attend(q, state, idx, ok, cfg, split=split)
+    assert torch.allclose(got, attend_ref(q, state, idx, ok, cfg), atol=1e-5, rtol=0)
+
+
+def test_block_scores_and_selection_match_reference():
+    cfg = config()
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, cfg.indexer_n_heads, cfg.indexer_head_dim, generator=g)
+    blocks = torch.randn(16, cfg.indexer_head_dim, generator=g)
+    positions = torch.tensor([30, 63])  # 7 and 16 visible blocks (the second sees all)
+    want = torch.relu(torch.einsum("lhd,md->lhm", q, blocks)).sum(1) / math.sqrt(cfg.indexer_head_dim)
+    visible = torch.arange(16)[None, :] < ((positions + 1) // cfg.indexer_compress_ratio)[:, None]
+    got = attention.block_scores(q, blocks, positions, cfg, block_m=8)
+    assert torch.equal(torch.isinf(got), ~visible)
+    assert torch.allclose(got[visible], want[visible], atol=1e-5, rtol=0)
+    # the k-th and (k+1)-th visible scores are well apart, so both pick the same blocks
+    top = want.masked_fill(~visible, -math.inf).sort(-1, descending=True).values
+    assert (top[:, cfg.block_topk - 1] - top[:, cfg.block_topk] > 1e-3).all()
+    for a, b in zip(attention.select_tokens(q, blocks, positions, cfg), select_tokens(q, blocks, positions, cfg),
+                    strict=True):
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------------ hyper-connections
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_read_matches_reference(dtype):
+    g = torch.Generator().manual_seed(5)
+    S, H, R = 3, 40, 12  # odd sizes: every tile is partly masked
+    x = torch.randn(1, S * H, generator=g).to(dtype)
+    norm = 1 + 0.2 * torch.randn(S * H, generator=g)
+    down = DenseTensor("down", (0.2 * torch.randn(R, S * H, generator=g)).to(dtype))
+    up = DenseTensor("up", torch.randn(S * H, R, generator=g).to(dtype))
+    inject = DenseTensor("inject", (0.1 * torch.randn(S, S * H, generator=g)).to(dtype))
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -6 * 2  # one bf16 ulp of values up to ~2
+    for inj in (inject, None):
+        a_ref, i_ref = hc_read_ref(x, norm, down, up, inj, S, 1e-6, linear_ref)
+        a, i = hyper.hc_read(x, norm, down, up, inj, S, 1e-6, block_rows=4, block_h=16)
+        assert a.dtype == dtype and a.shape == a_ref.shape
+        assert (a.float() - a_ref.float()).abs().max() <= tol
+        if inj is None:
+            assert i is None
+        else:
+            assert (i.float() - i_ref.float()).abs().max() <= tol
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+def filter_ref(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """transformers' warpers, written out: the logits that survive (others -inf)."""
+    x = logits / temperature
+    if 0 < top_k < x.shape[-1]:
+        x = x.masked_fill(x < x.topk(top_k).values[-1], -math.inf)
+    if top_p < 1:
+        s, order = x.sort()
+        remove = s.softmax(-1).cumsum(-1) <= 1 - top_p
+        remove[-1] = False
+        x = x.masked_fill(remove.scatter(0, order, remove), -math.inf)
+    if min_p > 0:
+        p = x.softmax(-1)
+        x = x.masked_fill(p < min_p * p.max(), -math.inf)
+    return x
+
+
+def full(n: int, v: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.full((n,), v, dtype=dtype)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 0, 1.0, 0.1), (0.5, 20, 0.9, 0.05)])
+def test_sampling_thresholds_match_reference_filters(temperature, top_k, top_p, min_p):
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(4, 50, generator=g) * 3
+    x = logits / temperature
+    thr = sample.thresholds(x, full(4, top_k, torch.int64), full(4, top_p), full(4, min_p))
+    for row in range(4):
+        kept = torch.isfinite(filter_ref(logits[row], temperature, top_k, top_p, min_p))
+        assert torch.equal(x[row] >= thr[row], kept)
+
+
+def test_sampling_draws_from_the_filtered_distribution():
+    g = torch.Generator().manual_seed(7)
+    V, N = 8, 400
+    logits = torch.randn(V, generator=g) * 2
+    want = filter_ref(logits, 0.8, 6, 0.95, 0.02).softmax(-1)
+    args = (full(N, 0.8), full(N, 6, torch.int64), full(N, 0.95), full(N, 0.02), full(N, 11, torch.int64))
+    tokens = sample.sample(logits.expand(N, V), *args, torch.arange(N))
+    assert want[tokens].gt(0).all()  # never a filtered token
+    freq = torch.bincount(tokens, minlength=V).float() / N
+    assert (freq - want).abs().max() < 4 * math.sqrt(0.25 / N)  # 4 sigma at the worst case p = 1/2
+    n = 40
+    again = sample.sample(logits.expand(n, V), *(t[:n] for t in args), torch.arange(n))
+    assert torch.equal(tokens[:n], again)  # a function of (seed, offset)
+
+
+def test_greedy_and_device_sampler():
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(30, generator=g)
+    assert int(sample.greedy(logits)) == int(logits.argmax())
+    s = sample.DeviceSampler("cpu")
+    s.configure(0.0)
+    assert int(s(logits)) == int(logits.argmax())
+    s.configure(1.0, top_k=3, seed=5)
+    first = [int(s(logits)) for _ in range(4)]
+    assert int(s.offset) == 4 and set(first) <= set(logits.topk(3).indices.tolist())
+    s.configure(1.0, top_k=3, seed=5)
+    assert [int(s(logits)) for _ in range(4)] == first
+
+
+# ------------------------------------------------------------------------------------------------ op table
+def test_fused_ops_dispatch_to_the_reference_off_cuda():
+    base = Ops()
+    ops = fused_ops(base)
+    cfg = config()
+    g = torch.Generator().manual_seed(9)
+    C, nv, dv = cfg.gdn_conv_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    prm = GDNParams(torch.randn(C, 4, generator=g), -torch.rand(nv, generator=g), torch.randn(nv, generator=g),
+                    torch.randn(dv, generator=g), "grouped")
+    x, z, b, a = (torch.randn(2, n, generator=g) for n in (C, nv * dv, nv, nv))
+    s1 = GDNState.empty(cfg, torch.float32, "cpu")
+    s2 = s1.clone()
+    # CPU tensors without `force`: bit-identical to the reference (it *is* the reference)
+    assert torch.equal(ops.gdn_core(x[:1], z[:1], b[:1], a[:1], prm, s1, cfg),
+                       gdn_core_ref(x[:1], z[:1], b[:1], a[:1], prm, s2, cfg))
+    # forced, but two tokens: the reference (chunked) path
+    forced = fused_ops(base, force=True)
+    assert torch.equal(forced.gdn_core(x, z, b, a, prm, s1, cfg), gdn_core_ref(x, z, b, a, prm, s2, cfg))
+    assert ops.linear is base.linear and ops.experts is base.experts
+
+
+@pytest.fixture(scope="module")
+def tiny_weights(tmp_path_factory):
+    return load_hf(reference.save(reference.build("tiny"), tmp_path_factory.mktemp("tiny")))
+
+
+def test_tiny_model_decode_matches_reference(tiny_weights):
+    """Prefill 5 tokens, then decode past the dense range (selection width 11), so every fused op runs,
+    including attention over a sparse selection."""
+    ref = Engine(tiny_weights)
+    fast = Engine(tiny_weights, ops=fused_ops(Ops(), force=True))
+    cfg = ref.cfg
+    ids = torch.randint(2, cfg.vocab_size, (3 + cfg.selection_width + 6,),
+                        generator=torch.Generator().manual_seed(3)).tolist()
+    outs = []
+    for engine in (ref, fast):
+        state = engine.new_state()
+        outs.append(torch.stack([engine.prefill(ids[:5], state)] + [engine.decode(t, state) for t in ids[5:]]))
+    want, got = outs
+    assert ((got - want).abs().max() / want.abs().max()) < 1e-5
