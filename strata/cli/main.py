@@ -12,6 +12,7 @@ from strata.errors import StrataError
 COMMANDS = {
     "logits": "logits",
     "inspect": "inspect",
+    "perplexity": "perplexity",
     "generate": "generate",
     "chat": "chat",
 }
