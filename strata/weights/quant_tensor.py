@@ -1,0 +1,85 @@
+"""`QuantTensor`: a ggml block-quantized tensor (Q8_0, Q4_K, IQ2_XS, ...) behind the `StoredTensor` interface.
+
+The bytes stay where they are (a uint8 view into the memory-mapped GGUF file) and are decoded on use:
+* `dense()` dequantizes the whole tensor, for matmuls; the result is not cached, so a model never holds a
+  dequantized copy of its weights between calls;
+* `rows(index)` decodes only the rows asked for: a GGUF row is one `ne[0]`-wide run of whole blocks, so any
+  subset of rows can be decoded alone. The PLE table (hundreds of GB in the real model) and the token embedding
+  are only ever read this way;
+* `[e]` is expert `e` of a 3-D stack: a view of that expert's rows, no copy.
+
+Shapes are torch order (GGUF's dims reversed): ne = {in, out, E} is shape (E, out, in), and one row of the
+byte matrix is one `in`-wide row of the logical tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata.weights.tensor import StoredTensor, WeightError
+
+
+class QuantTensor(StoredTensor):
+    """ggml-typed data `data` (uint8, shape (*shape[:-1], row_bytes)) of logical torch-order shape `shape`;
+    `kind` is the ggml type name."""
+
+    def __init__(self, name: str, data: torch.Tensor, type_id: int, shape: tuple[int, ...]):
+        from strata.weights import quants
+
+        qtype = quants.ggml_type(type_id)
+        shape = tuple(int(s) for s in shape)
+        if not shape or shape[-1] % qtype.block_size:
+            raise WeightError(f"{name}: shape {list(shape)} is not whole {qtype.name} blocks of "
+                              f"{qtype.block_size} along its rows")
+        row_bytes = shape[-1] // qtype.block_size * qtype.type_size
+        if data.dtype != torch.uint8 or tuple(data.shape) != (*shape[:-1], row_bytes):
+            raise WeightError(f"{name}: {qtype.name} data of shape {list(data.shape)} ({data.dtype}) does not hold "
+                              f"shape {list(shape)} (expected uint8 {[*shape[:-1], row_bytes]})")
+        self.name = name
+        self.data = data
+        self.type_id = type_id
+        self.kind = qtype.name
+        self.shape = shape
+
+    @classmethod
+    def from_bytes(cls, name: str, flat: torch.Tensor, type_id: int, shape: tuple[int, ...], row_bytes: int,
+                   ) -> QuantTensor:
+        """Wrap a flat uint8 buffer holding prod(shape[:-1]) rows of `row_bytes` bytes (a view, no copy)."""
+        return cls(name, flat.view(*shape[:-1], row_bytes), type_id, shape)
+
+    @property
+    def cols(self) -> int:
+        return self.shape[-1]
+
+    def _decode(self, rows2d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        from strata.weights import quants
+
+        return quants.dequantize(rows2d, self.type_id, self.cols, dtype)
+
+    def dense(self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
+        rb = self.data.shape[-1]
+        out = self._decode(self.data.reshape(-1, rb), dtype).reshape(self.shape)
+        return out if device is None else out.to(device)
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if len(self.shape) != 2:
+            raise WeightError(f"{self.name}: rows() needs a 2-D tensor, this one is {self.shape}")
+        flat = index.reshape(-1).to(torch.int64)
+        n = self.shape[0]
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
+            raise WeightError(f"{self.name}: row index out of range [0, {n})")
+        uniq, inverse = torch.unique(flat, return_inverse=True)
+        decoded = self._decode(self.data.index_select(0, uniq.to(self.data.device)), dtype)
+        return decoded[inverse.to(decoded.device)].reshape(*index.shape, self.cols)
+
+    def __getitem__(self, i: int) -> StoredTensor:
+        if len(self.shape) != 3:
+            return super().__getitem__(i)
+        return QuantTensor(f"{self.name}[{i}]", self.data[i], self.type_id, self.shape[1:])
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def to(self, device: torch.device | str) -> StoredTensor:
+        return QuantTensor(self.name, self.data.to(device), self.type_id, self.shape)
