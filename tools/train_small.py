@@ -974,8 +974,7 @@ def selection_ties(model: TrainModel, margin: float = 1e-5) -> dict:
     return {"tied_queries_per_layer": per_layer, "first_tied_position": first}
 
 
-def check_outputs(out: Path, model: TrainModel, tensors: dict[str, torch.Tensor], held_ids: torch.Tensor,
-                  recipe: Recipe) -> dict:
+def check_outputs(out: Path, tensors: dict[str, torch.Tensor], held_ids: torch.Tensor, recipe: Recipe) -> dict:
     """Load the written checkpoint with strata (and transformers where it has qwen4_exp) and compare float32
     logits on the start of the held-out text with this script's model run on the stored bf16 weights.
 
@@ -1059,6 +1058,18 @@ def check_outputs(out: Path, model: TrainModel, tensors: dict[str, torch.Tensor]
 
 # ====================================================================================== main
 
+def check_only(out: Path, recipe: Recipe) -> int:
+    """The checks of a finished run, on the files in `out` (nothing is written)."""
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    held_ids = torch.tensor(tok.encode((out / "heldout.txt").read_text(), add_special_tokens=False).ids)
+    res = check_outputs(out, load_file(str(out / "model.safetensors")), held_ids, recipe)
+    print(json.dumps(res, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="output folder (created; files in it are replaced)")
@@ -1069,7 +1080,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true",
                     help="tiny model, small corpus slice, 30 steps: an end-to-end check that runs on a CPU in "
                          "well under a minute")
+    ap.add_argument("--check", action="store_true",
+                    help="train nothing: re-run the checks on the model already in --out and print them (to repeat "
+                         "them where transformers 5.23 is installed, after a run on a machine without it)")
     args = ap.parse_args(argv)
+    if args.check:
+        return check_only(args.out, SMOKE if args.smoke else FULL)
     t0 = time.time()
     deadline = t0 + args.minutes * 60 - RESERVE_S * (0.2 if args.smoke else 1.0)
     recipe = SMOKE if args.smoke else FULL
@@ -1142,7 +1158,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(log_path, log)
 
     model.cpu()
-    log["checks"] = check_outputs(out, model, tensors, held_ids, recipe)
+    log["checks"] = check_outputs(out, tensors, held_ids, recipe)
     print("checks: " + json.dumps(log["checks"]), flush=True)
     log["total_seconds"] = round(time.time() - t0, 2)
     write_json(log_path, log)
