@@ -8,7 +8,9 @@ from `state.k` / `state.v` by index, once for all the query heads of its KV head
 dimension of the dot), with an online softmax in fp32 (flash-decoding). The key axis is split across programs
 so that L x Hkv x splits fills the GPU; a second small launch merges the splits' (max, sum, partial output).
 With a single split the first launch normalises and writes the output itself. The split count depends only on
-shapes, never on data, so it is capturable.
+shapes, never on data, so it is capturable. The dots run on the tensor cores in the model dtype (fp32 "ieee" for
+fp32); off CUDA, where Triton's interpreter runs them and its dot mishandles bf16, tiles are upcast to fp32
+after the same roundings.
 
 Indexer scores (`block_scores`). At 128K context there are 32K pooled block keys (8 MiB in bf16). The
 reference scores every block of the capacity-sized buffer and masks afterwards; the kernel masks the *loads*
@@ -38,7 +40,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ok_ptr, out_ptr, m_ptr, l_p
                        HQ, HD, W, CAP, G, SPLIT, NS,
                        s_ql, s_qh, s_kr, s_kh, s_vr, s_vh, s_il, s_ol, s_outl, scale,
                        GP: tl.constexpr, HDP: tl.constexpr, BW: tl.constexpr, SINGLE: tl.constexpr,
-                       IEEE: tl.constexpr, DT: tl.constexpr):
+                       IEEE: tl.constexpr, UPCAST: tl.constexpr, DT: tl.constexpr):
     l = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -48,6 +50,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ok_ptr, out_ptr, m_ptr, l_p
     d = tl.arange(0, HDP)
     dm = d < HD
     q = tl.load(q_ptr + l * s_ql + heads[:, None] * s_qh + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, HDP], tl.float32)
@@ -60,6 +64,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ok_ptr, out_ptr, m_ptr, l_p
         valid = (tl.load(ok_ptr + l * s_ol + w, mask=wm, other=0) != 0) & wm
         lm = valid[:, None] & dm[None, :]
         kt = tl.load(k_ptr + rows[:, None] * s_kr + kvh * s_kh + d[None, :], mask=lm, other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
         if IEEE:
             sc = tl.dot(q, tl.trans(kt), input_precision="ieee")
         else:
@@ -71,8 +77,10 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ok_ptr, out_ptr, m_ptr, l_p
         p = tl.exp(sc - m_safe[:, None])
         l_i = l_i * corr + tl.sum(p, axis=1)
         vt = tl.load(v_ptr + rows[:, None] * s_vr + kvh * s_vh + d[None, :], mask=lm, other=0.0)
-        if IEEE:
-            pv = tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
+        if UPCAST:
+            pv = tl.dot(p.to(DT).to(tl.float32), vt.to(tl.float32), input_precision="ieee")
+        elif IEEE:
+            pv = tl.dot(p, vt, input_precision="ieee")
         else:
             pv = tl.dot(p.to(vt.dtype), vt)
         acc = acc * corr[:, None] + pv
@@ -89,23 +97,26 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ok_ptr, out_ptr, m_ptr, l_p
 
 @triton.jit
 def _attn_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, HQ, HD, NS, s_outl,
-                       NSP: tl.constexpr, HDP: tl.constexpr, DT: tl.constexpr):
+                       NSP: tl.constexpr, BS: tl.constexpr, HDP: tl.constexpr, DT: tl.constexpr):
     l = tl.program_id(0)
     h = tl.program_id(1)
+    base = (l * HQ + h) * NS
     s = tl.arange(0, NSP)
-    sm = s < NS
-    d = tl.arange(0, HDP)
-    dm = d < HD
-    base = (l * HQ + h) * NS + s
-    m = tl.load(m_ptr + base, mask=sm, other=float("-inf"))
-    lv = tl.load(l_ptr + base, mask=sm, other=0.0)
+    m = tl.load(m_ptr + base + s, mask=s < NS, other=float("-inf"))
     mx = tl.max(m, axis=0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
-    wgt = tl.exp(m - mx)
-    den = tl.sum(wgt * lv, axis=0)
-    acc = tl.load(acc_ptr + base[:, None] * HD + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
-    o = tl.sum(acc * wgt[:, None], axis=0) / den
-    tl.store(out_ptr + l * s_outl + h * HD + d, o.to(DT), mask=dm)
+    d = tl.arange(0, HDP)
+    dm = d < HD
+    o = tl.zeros([HDP], tl.float32)
+    den = tl.zeros([BS], tl.float32)
+    for s0 in range(0, NS, BS):  # BS splits at a time: a (splits x hd) tile would not fit in registers
+        sb = s0 + tl.arange(0, BS)
+        sm = sb < NS
+        wgt = tl.exp(tl.load(m_ptr + base + sb, mask=sm, other=float("-inf")) - mx)
+        den += wgt * tl.load(l_ptr + base + sb, mask=sm, other=0.0)
+        acc = tl.load(acc_ptr + (base + sb)[:, None] * HD + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
+        o += tl.sum(acc * wgt[:, None], axis=0)
+    tl.store(out_ptr + l * s_outl + h * HD + d, (o / tl.sum(den, axis=0)).to(DT), mask=dm)
 
 
 def sm_count(device: torch.device) -> int:
@@ -154,10 +165,10 @@ def attend(q: torch.Tensor, state: QSAState, idx: torch.Tensor, ok: torch.Tensor
         q.stride(0), q.stride(1), state.k.stride(0), state.k.stride(1), state.v.stride(0), state.v.stride(1),
         idx.stride(0), okb.stride(0), out.stride(0), hd ** -0.5,
         GP=max(16, triton.next_power_of_2(G)), HDP=HDP, BW=block_w, SINGLE=single,
-        IEEE=q.dtype == torch.float32, DT=TL_DTYPES[q.dtype])
+        IEEE=q.dtype == torch.float32 or not q.is_cuda, UPCAST=not q.is_cuda, DT=TL_DTYPES[q.dtype])
     if not single:
         _attn_merge_kernel[(L, hq)](m, lsum, acc, out, hq, hd, ns, out.stride(0),
-                                    NSP=triton.next_power_of_2(ns), HDP=HDP, DT=TL_DTYPES[q.dtype])
+                                    NSP=triton.next_power_of_2(ns), BS=8, HDP=HDP, DT=TL_DTYPES[q.dtype])
     return out
 
 
