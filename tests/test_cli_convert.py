@@ -16,4 +16,6 @@ def test_convert_bf16_round_trip(fixtures_dir, tmp_path, capsys):
     assert main(["logits", "--model", str(out), "--ids-file", ids, "--out", str(tmp_path / "g.npy")]) == 0
     assert main(["logits", "--model", str(fixtures_dir / "hf"), "--ids-file", ids,
                  "--out", str(tmp_path / "h.npy")]) == 0
-    assert np.array_equal(np.load(tmp_path / "g.npy"), np.load(tmp_path / "h.npy"))
+    g, h = np.load(tmp_path / "g.npy"), np.load(tmp_path / "h.npy")
+    # Same bf16 weights; only the GDN value-head order (tiled in GGUF) changes float summation order.
+    assert np.abs(g - h).max() / np.abs(h).max() < 1e-6
