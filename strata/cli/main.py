@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from strata.errors import StrataError
@@ -13,6 +14,8 @@ COMMANDS = {
     "logits": "logits",
     "inspect": "inspect",
     "perplexity": "perplexity",
+    "bench": "bench",
+    "convert": "convert",
     "generate": "generate",
     "chat": "chat",
 }
@@ -34,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.run(args) or 0)
+    except BrokenPipeError:  # output piped into e.g. `head`, which closed early: not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (StrataError, ValueError, OSError) as e:
         if args.debug:
             raise
