@@ -1,0 +1,121 @@
+"""Op-table entries backed by the Triton GEMV: `linear` and `experts` read weights as stored.
+
+`triton_ops(base)` returns `base` (default: the reference `Ops()`) with two entries swapped:
+
+* `linear_triton(x, w, bias)`: y = x W^T (+ b) straight from W's stored rows (ggml blocks of a QuantTensor, or
+  the F32/F16/BF16 tensor of a DenseTensor) when x is on a CUDA device, W's bytes already live there and W's
+  type has a kernel. Anything else goes to `linear_ref`, as do inputs of more than `GEMV_MAX_ROWS` rows
+  (prefill): there, dequantizing once on the device and one cuBLAS matmul beats one weight read per 8 rows.
+* `experts_triton(a, top_i, top_w, gate, up, down, linear)`: the routed experts of a MoE layer in three launches
+  (gate, up, down over all L*k selected slots) with the expert ids never leaving the device, so a decode step
+  can be captured in a CUDA graph. Other inputs go to the reference (`experts_gather`, the capturable twin, while
+  a graph is being captured).
+
+Both return x's dtype, computed in fp32. A stored tensor exposes its raw rows as `DenseTensor.tensor` or as a
+uint8 `data` tensor of shape (*shape[:-1], row_bytes) with `kind` = the ggml type name (QuantTensor).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from strata.kernels.gemv import GEMV_TYPE_NAMES, gemv, gemv_experts
+from strata.model.experts import experts_gather, experts_ref
+from strata.model.ops import Ops, linear_ref
+from strata.weights.tensor import DenseTensor, StoredTensor
+
+GEMV_MAX_ROWS = 64
+"""Rows of x up to which `linear_triton` runs the GEMV (8 rows per launch, each launch reading all of W)."""
+
+MAX_EXPERT_SLOTS = 64
+"""Selected (token, expert) slots up to which `experts_triton` runs the grouped GEMV; each slot reads its expert's
+whole matrices, so for long prefills the reference's one pass per distinct expert reads less."""
+
+_FLOAT_X = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def stored_rows(w: StoredTensor) -> tuple[torch.Tensor, str] | None:
+    """(raw rows, type name) of a stored tensor the GEMV can read directly, or None.
+
+    Dense tensors give their typed tensor; quantized ones their uint8 `data` ((*shape[:-1], row_bytes)). Stacks
+    kept as separate parts and row-sharded tables have no single raw tensor."""
+    if w.kind not in GEMV_TYPE_NAMES:
+        return None
+    if isinstance(w, DenseTensor):
+        return w.tensor, w.kind
+    data = getattr(w, "data", None)
+    if isinstance(data, torch.Tensor) and data.dtype == torch.uint8 and data.dim() == len(w.shape):
+        return data, w.kind
+    return None
+
+
+def _as_x(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x as (rows, k) with contiguous rows in a dtype the kernel loads."""
+    x2 = x.reshape(-1, k)
+    if x2.dtype not in _FLOAT_X:
+        x2 = x2.float()
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def linear_blocks(x: torch.Tensor, data: torch.Tensor, kind: str, bias: StoredTensor | None = None,
+                  ) -> torch.Tensor:
+    """y = x W^T (+ b) by the GEMV from W's raw rows `data` of type `kind`; x (..., K) -> (..., N) in x's dtype.
+    No device check: the caller decides (the tests run it on the CPU under the Triton interpreter)."""
+    k = x.shape[-1]
+    y = gemv(_as_x(x, k), data, kind, k)
+    if bias is not None:
+        y += bias.dense(torch.float32, y.device)
+    return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+
+def linear_triton(x: torch.Tensor, w: StoredTensor, bias: StoredTensor | None = None) -> torch.Tensor:
+    """`Ops.linear`: the GEMV from W's stored rows when it applies (see the module docstring), else
+    `linear_ref`."""
+    if x.is_cuda and len(w.shape) == 2 and x.shape[-1] == w.shape[1] and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
+        raw = stored_rows(w)
+        if raw is not None and raw[0].device == x.device:
+            return linear_blocks(x, raw[0], raw[1], bias)
+    return linear_ref(x, w, bias)
+
+
+def experts_blocks(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
+                   gate: tuple[torch.Tensor, str], up: tuple[torch.Tensor, str], down: tuple[torch.Tensor, str],
+                   ) -> torch.Tensor:
+    """Σ_j top_w[:, j] · down_e(silu(gate_e a) ⊙ up_e a), e = top_i[:, j], from raw expert stacks (data, kind):
+    gate/up (E, I, ·) over H, down (E, H, ·) over I. Slot s = l*k + j runs expert top_i[l, j] on token l; the
+    three GEMVs cover all slots in one launch each. No device check (see `linear_blocks`)."""
+    n_tok, k = top_i.shape
+    h_dim = a.shape[-1]
+    i_dim = gate[0].shape[1]
+    ids = top_i.reshape(-1)
+    if ids.dtype not in (torch.int32, torch.int64):
+        ids = ids.to(torch.int64)
+    ids = ids.contiguous()
+    x = _as_x(a, h_dim)
+    if n_tok > 1:
+        x = x.repeat_interleave(k, dim=0)
+    g = gemv_experts(x, gate[0], ids, gate[1], h_dim)
+    u = gemv_experts(x, up[0], ids, up[1], h_dim)
+    y = gemv_experts(F.silu(g) * u, down[0], ids, down[1], i_dim)
+    return (y.view(n_tok, k, h_dim) * top_w.float().unsqueeze(-1)).sum(1).to(a.dtype)
+
+
+def experts_triton(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: StoredTensor,
+                   up: StoredTensor, down: StoredTensor, linear) -> torch.Tensor:
+    """`Ops.experts`: the grouped GEMV when a is on a CUDA device, the three stacks' raw bytes live there, their
+    types have kernels and there are at most MAX_EXPERT_SLOTS slots; else the reference."""
+    if a.is_cuda and top_i.dim() == 2 and 0 < top_i.numel() <= MAX_EXPERT_SLOTS:
+        raws = [stored_rows(t) if len(t.shape) == 3 else None for t in (gate, up, down)]
+        if all(r is not None and r[0].device == a.device for r in raws):
+            return experts_blocks(a, top_i, top_w, raws[0], raws[1], raws[2])
+    if a.is_cuda and torch.cuda.is_current_stream_capturing():
+        return experts_gather(a, top_i, top_w, gate, up, down, linear)
+    return experts_ref(a, top_i, top_w, gate, up, down, linear)
+
+
+def triton_ops(base: Ops | None = None) -> Ops:
+    """`base` (default `Ops()`) with `linear` and `experts` run by the Triton GEMV; other entries unchanged."""
+    return dataclasses.replace(base or Ops(), linear=linear_triton, experts=experts_triton)

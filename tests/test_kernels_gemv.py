@@ -1,0 +1,255 @@
+"""The Triton GEMV kernels (strata.kernels.gemv) against "dequantize, then x @ W^T in float64", on the CPU.
+
+The kernels run under Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported), on tiny shapes:
+random blocks with sane fp16 scales, 12 rows (a partial row tile), 2-3 tokens, K of 5-10 blocks. The reference
+dequantizer is strata.weights.quants (bit-exact vs gguf-py); Q2_0 (ggml type 42), which neither it nor gguf-py
+decodes, has its 6-line reference here.
+
+Tolerance: |y - ref| <= RTOL * sum_k |w_k x_k| per output. Both sides round to fp32 only (the reference decodes in
+fp32, the kernel sums q*x per sub-block and scales after, in chunks); for K <= 512 that rounding is bounded by
+about 25 units of fp32 roundoff (1.5e-6). A single mis-decoded weight, scale or sign moves an output by ~1e-3 of
+that sum or more, so 1e-5 separates the two by two orders of magnitude either way.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton: the kernels run on the CPU
+
+import importlib
+import zlib
+
+import numpy as np
+import pytest
+import torch
+import triton  # noqa: F401  (a missing triton fails this module; it never skips)
+from triton.runtime.interpreter import InterpretedFunction
+
+import strata.kernels.gemv as _gemv
+import strata.kernels.gemv_blocks as _blocks
+import strata.kernels.ops as _kops
+from strata.kernels import gemv_tables
+from strata.model.experts import experts_ref
+from strata.model.ops import Ops, linear_ref
+from strata.weights import quants
+from strata.weights.tensor import DenseTensor, StoredTensor
+
+# A module that imported the kernels before this one did (with the interpreter off) holds compiled-mode functions
+# that cannot run here: rebuild them in interpreter mode.
+if not isinstance(_blocks.decode_q8_0, InterpretedFunction):
+    for _m in (_blocks, _gemv, _kops):
+        importlib.reload(_m)
+G = _gemv
+K_OPS = _kops
+
+RTOL = 1e-5
+
+
+def zlib_seed(name: str) -> int:
+    """A per-type seed that does not depend on Python's hash randomisation."""
+    return zlib.crc32(name.encode())
+
+QUANT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+               "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS"]
+DENSE_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+def k_for(name: str) -> int:
+    """A small K: 10 blocks of 32 (chunks of 2 blocks), 5 of 64, or 2 super-blocks of 256."""
+    return {32: 320, 64: 320, 256: 512}[G.gemv_type(name).block_elems]
+
+
+def random_blocks(name: str, rows: int, k: int, rng: np.random.Generator) -> torch.Tensor:
+    """(rows, row_bytes) uint8: random bytes, fp16 fields set to +-[0.005, 0.02] (sane scales, no inf/nan)."""
+    t = G.gemv_type(name)
+    n = rows * (k // t.block_elems)
+    raw = rng.integers(0, 256, size=(n, t.block_bytes), dtype=np.uint8)
+    for off in t.f16_fields:
+        v = (rng.uniform(0.005, 0.02, size=n) * rng.choice([-1.0, 1.0], size=n)).astype(np.float16)
+        raw[:, off:off + 2] = v.view(np.uint8).reshape(n, 2)
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+def dequant_ref(name: str, raw: torch.Tensor, k: int) -> torch.Tensor:
+    """The reference weights (rows, k), float64."""
+    if name == "Q2_0":  # 64 weights: fp16 d, then weight j in bits 2(j%4) of byte j/4; w = d (code - 1)
+        b = raw.reshape(-1, 18)
+        d = b[:, :2].contiguous().view(torch.float16).float()
+        codes = (b[:, 2:, None].int() >> torch.tensor([0, 2, 4, 6])) & 3
+        return (d * (codes.reshape(-1, 64).float() - 1)).reshape(raw.shape[0], k).double()
+    return quants.dequantize(raw, G.gemv_type(name).type_id, k).double()
+
+
+def check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """y (T, N) against x (T, K) @ w (N, K)^T in float64, relative to sum |w x| per output."""
+    xd = x.double()
+    ref = xd @ w.T
+    bound = xd.abs() @ w.abs().T
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    err = ((y.double() - ref).abs() / bound).max().item()
+    assert err <= RTOL, f"max relative error {err:.3e} > {RTOL}"
+
+
+@pytest.mark.parametrize("name", QUANT_TYPES)
+def test_gemv_quantized(name: str) -> None:
+    rng = np.random.default_rng(zlib_seed(name))
+    k = k_for(name)
+    raw = random_blocks(name, 12, k, rng)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
+    y = G.gemv(x, raw, G.gemv_type(name).type_id, k, block_n=8)  # 2 row tiles, the second partial
+    check(y, x, dequant_ref(name, raw, k))
+
+
+@pytest.mark.parametrize("name", QUANT_TYPES)
+def test_gemv_experts(name: str) -> None:
+    """Per-slot inputs (down projection) and one shared input (gate/up), ids int32 and int64, read on device."""
+    rng = np.random.default_rng(zlib_seed(name) + 1)
+    k = k_for(name)
+    stack = torch.stack([random_blocks(name, 12, k, rng) for _ in range(3)])
+    ws = [dequant_ref(name, stack[e], k) for e in range(3)]
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, k, generator=gen)
+    y = G.gemv_experts(x, stack, torch.tensor([2, 0], dtype=torch.int32), name, k)
+    for s, e in enumerate([2, 0]):
+        check(y[s:s + 1], x[s:s + 1], ws[e])
+    x1 = torch.randn(1, k, generator=gen)
+    out = torch.full((3, 12), float("nan"))
+    y1 = G.gemv_experts(x1, stack, torch.tensor([1, 1, 2]), name, k, out=out)
+    assert y1 is out
+    for s, e in enumerate([1, 1, 2]):
+        check(y1[s:s + 1], x1, ws[e])
+
+
+@pytest.mark.parametrize("name", list(DENSE_TYPES))
+def test_gemv_dense(name: str) -> None:
+    """F32/F16/BF16 rows, given typed and as their uint8 view."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(12, 320, generator=gen).to(DENSE_TYPES[name])
+    x = torch.randn(2, 320, generator=gen)
+    check(G.gemv(x, w, name, 320, block_n=8), x, w.double())
+    check(G.gemv(x, w.view(torch.uint8), G.gemv_type(name).type_id, 320), x, w.double())
+    stack = torch.stack([w, -w])
+    y = G.gemv_experts(x, stack, torch.tensor([1, 0]), name, 320)
+    check(y[:1], x[:1], -w.double())
+    check(y[1:], x[1:], w.double())
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
+def test_gemv_half_precision_x(x_dtype: torch.dtype) -> None:
+    rng = np.random.default_rng(4)
+    raw = random_blocks("Q4_K", 12, 512, rng)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(4)).to(x_dtype)
+    check(G.gemv(x, raw, "Q4_K", 512), x, dequant_ref("Q4_K", raw, 512))
+
+
+def test_gemv_more_tokens_than_one_launch() -> None:
+    """9 tokens: two launches (8 + 1) writing disjoint rows of one output."""
+    rng = np.random.default_rng(5)
+    raw = random_blocks("Q8_0", 12, 320, rng)
+    x = torch.randn(G.MAX_TOKENS + 1, 320, generator=torch.Generator().manual_seed(5))
+    check(G.gemv(x, raw, "Q8_0", 320), x, dequant_ref("Q8_0", raw, 320))
+
+
+def test_gemv_rejects_bad_input() -> None:
+    raw = random_blocks("Q4_0", 4, 64, np.random.default_rng(6))
+    x = torch.randn(1, 64)
+    with pytest.raises(ValueError, match="no Triton GEMV"):
+        G.gemv(x, raw, 19, 64)  # IQ1_S: no kernel
+    with pytest.raises(ValueError, match="rows of"):
+        G.gemv(torch.randn(1, 96), raw, "Q4_0", 96)
+    with pytest.raises(ValueError, match="x: expected"):
+        G.gemv(torch.randn(1, 32), raw, "Q4_0", 64)
+    with pytest.raises(ValueError, match="uint8"):
+        G.gemv(x, raw.float(), "Q4_0", 64)
+    with pytest.raises(ValueError, match="expert_ids"):
+        G.gemv_experts(x, raw[None], torch.tensor([0.0]), "Q4_0", 64)
+
+
+def test_tables_match_gguf() -> None:
+    """The embedded i-quant grids and the IQ4 code equal gguf-py's (llama.cpp's) tables."""
+    from gguf import quants as gq
+
+    for name in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"):
+        cls = getattr(gq, name)
+        cls.init_grid()
+        assert np.array_equal(gemv_tables.grid_values(name).astype(np.float32), cls.grid.reshape(cls.grid_shape))
+        words = gemv_tables.grid_words(name).view(np.uint8).reshape(cls.grid_shape)
+        assert np.array_equal(words, gemv_tables.grid_values(name))
+    assert gemv_tables.IQ4_KVALUES == gq.IQ4_NL.kvalues
+
+
+def test_type_geometry_matches_quants() -> None:
+    """Every kernel's block geometry is strata.weights.quants' (Q2_0, type 42, is not in it: 64 weights, 18 B)."""
+    for t in G.GEMV_TYPES.values():
+        if t.name == "Q2_0":
+            assert (t.type_id, t.block_elems, t.block_bytes) == (42, 64, 18)
+            continue
+        q = quants.ggml_type(t.type_id)
+        assert (q.name, q.block_size, q.type_size) == (t.name, t.block_elems, t.block_bytes)
+
+
+class _Blocks(StoredTensor):
+    """A quantized stored tensor as QuantTensor exposes one: uint8 `data` (*shape[:-1], row_bytes), `kind`."""
+
+    def __init__(self, name: str, data: torch.Tensor, kind: str, shape: tuple[int, ...]):
+        self.name, self.data, self.kind, self.shape = name, data, kind, shape
+
+    def dense(self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
+        flat = self.data.reshape(-1, self.data.shape[-1])
+        return quants.dequantize(flat, G.gemv_type(self.kind).type_id, self.shape[-1], dtype).reshape(self.shape)
+
+    def __getitem__(self, i: int) -> StoredTensor:
+        return _Blocks(f"{self.name}[{i}]", self.data[i], self.kind, self.shape[1:])
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def test_linear_blocks_matches_linear_ref() -> None:
+    rng = np.random.default_rng(7)
+    w = _Blocks("w", random_blocks("Q4_K", 12, 512, rng), "Q4_K", (12, 512))
+    bias = DenseTensor("b", torch.randn(12))
+    x = torch.randn(2, 3, 512, generator=torch.Generator().manual_seed(7))
+    raw = K_OPS.stored_rows(w)
+    assert raw is not None and raw[1] == "Q4_K"
+    y = K_OPS.linear_blocks(x, raw[0], raw[1], bias)
+    ref = linear_ref(x, w, bias)
+    assert y.shape == ref.shape == (2, 3, 12)
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
+    # off CUDA the op is the reference itself
+    assert torch.equal(K_OPS.linear_triton(x, w, bias), ref)
+
+
+def test_experts_blocks_matches_reference() -> None:
+    """Two tokens x two slots; gate/up Q4_K over H = 256, down Q8_0 over I = 64 (as the model's 640)."""
+    rng = np.random.default_rng(8)
+    n_exp, h_dim, i_dim = 4, 256, 64
+    gate = _Blocks("g", torch.stack([random_blocks("Q4_K", i_dim, h_dim, rng) for _ in range(n_exp)]), "Q4_K",
+                   (n_exp, i_dim, h_dim))
+    up = _Blocks("u", torch.stack([random_blocks("Q4_K", i_dim, h_dim, rng) for _ in range(n_exp)]), "Q4_K",
+                 (n_exp, i_dim, h_dim))
+    down = _Blocks("d", torch.stack([random_blocks("Q8_0", h_dim, i_dim, rng) for _ in range(n_exp)]), "Q8_0",
+                   (n_exp, h_dim, i_dim))
+    gen = torch.Generator().manual_seed(8)
+    a = torch.randn(2, h_dim, generator=gen)
+    top_i = torch.tensor([[3, 1], [1, 0]])
+    top_w = torch.softmax(torch.randn(2, 2, generator=gen), dim=-1)
+    ref = experts_ref(a, top_i, top_w, gate, up, down, linear_ref)
+    raws = [K_OPS.stored_rows(t) for t in (gate, up, down)]
+    y = K_OPS.experts_blocks(a, top_i, top_w, *raws)
+    assert torch.allclose(y, ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
+    y1 = K_OPS.experts_blocks(a[:1], top_i[:1], top_w[:1], *raws)  # decode: one token, x shared by its slots
+    assert torch.allclose(y1, ref[:1], rtol=1e-4, atol=1e-5 * ref.abs().max().item())
+    assert torch.equal(K_OPS.experts_triton(a, top_i, top_w, gate, up, down, linear_ref), ref)
+
+
+def test_triton_ops_replaces_only_its_entries() -> None:
+    def marker(*args: object) -> None:
+        return None
+
+    ops = K_OPS.triton_ops(Ops(embed=marker))
+    assert ops.linear is K_OPS.linear_triton and ops.experts is K_OPS.experts_triton and ops.embed is marker
+    assert K_OPS.triton_ops().gdn_core is Ops().gdn_core
+    assert K_OPS.stored_rows(DenseTensor("d", torch.zeros(2, 3, dtype=torch.int32))) is None
+
