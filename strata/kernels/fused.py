@@ -6,8 +6,7 @@ the shape case is one the kernel handles (one token for GDN and the hyper-connec
 attention), else the entry it replaces in `base`. So prefill, quantized weights and CPU runs keep the reference
 math, and a captured decode step gets the kernels without the model knowing.
 
-The indexer selection (`strata.model.qsa.select_tokens`) is not an op-table entry today; `fused_ops` replaces
-any entry whose value *is* that function, so the fast selection is picked up as soon as the table carries it.
+The indexer selection entry (`select_tokens`) is replaced when it holds the reference function.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from strata.model.attention import attend_ref
 from strata.model.experts import experts_ref
 from strata.model.gdn import gdn_core_ref
 from strata.model.hyper import hc_read_ref
+from strata.model.qsa import select_tokens
 from strata.weights.tensor import StoredTensor
 
 
@@ -40,4 +41,5 @@ class Ops:
     attend: Callable = attend_ref  # (q, qsa_state, idx, ok, cfg) -> (L, Hq*hd)
     experts: Callable = experts_ref  # (a, top_i, top_w, gate, up, down, linear) -> (L, H)
     gdn_core: Callable = gdn_core_ref  # (x, z, b, alpha, GDNParams, GDNState, cfg) -> (L, nv*dv)
+    select_tokens: Callable = select_tokens  # (q_idx, blocks, positions, cfg) -> (idx, ok)
     hc_read: Callable = hc_read_ref  # (x, norm, down, up, inject|None, S, eps, linear) -> (a, inject weights)

@@ -11,14 +11,18 @@ so the same code runs inside a captured CUDA graph.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from strata.config import ModelConfig
 from strata.model import topk
 from strata.model.norms import rms_norm
-from strata.model.ops import Ops
 from strata.runtime.state import QSAState
 from strata.weights.schema import Weights
+
+if TYPE_CHECKING:
+    from strata.model.ops import Ops
 
 
 def rope_tables(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,7 +117,7 @@ def qsa_layer(a: torch.Tensor, positions: torch.Tensor, n_keys: int, w: Weights,
     qi = apply_rope(rms_norm(qi, w[p + "idx.q_norm"].dense(torch.float32, dev), eps), cos, sin)
     state.idx_raw.index_copy_(0, positions, ops.linear(a, w[p + "idx.k"]))
     update_blocks(state, positions, w[p + "idx.k_norm"].dense(torch.float32, dev), cfg, static)
-    idx, ok = select_tokens(qi, state.idx_blocks[: n_keys // c], positions, cfg)
+    idx, ok = ops.select_tokens(qi, state.idx_blocks[: n_keys // c], positions, cfg)
 
     # Main attention over the selected rows.
     qg = ops.linear(a, w[p + "attn.q"], w.get(p + "attn.q_bias")).reshape(L, hq, 2 * hd)
