@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.config import ModelConfig
-from strata.weights.schema import Weights, expected_shapes
+from strata.weights.schema import SMALL_SUFFIXES, Weights, expected_shapes
 from strata.weights.tensor import DenseTensor, StoredTensor
 
 REAL_GEOMETRY = dict(
@@ -49,6 +49,8 @@ class TypeMix:
 
     def type_of(self, name: str) -> str:
         part = name.split(".", 1)[1] if name.startswith("L") else name
+        if part.rsplit(".", 1)[-1].endswith(SMALL_SUFFIXES):
+            return "F32"
         if part in ("moe.gate_exps", "moe.up_exps"):
             return self.experts
         if part == "moe.down_exps":
