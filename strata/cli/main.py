@@ -18,6 +18,7 @@ COMMANDS = {
     "convert": "convert",
     "generate": "generate",
     "chat": "chat",
+    "serve": "serve",
 }
 
 
