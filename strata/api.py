@@ -60,10 +60,11 @@ class Completion:
 class LLM:
     """A model ready for text: the engine, its tokenizer, and its chat template (None when it has none).
 
-    path: HF model folder (None: the bundled default model). dtype: "float32", "bfloat16" or "float16".
-    device: a torch device. tokenizer: the folder with tokenizer.json (and the config files naming EOS ids) when
-    it is not the model's own folder, e.g. for a GGUF file kept elsewhere. chat_template: a .jinja file to use
-    instead of the model's own template. progress: show a loading progress bar on stderr.
+    path: HF model folder or GGUF file (None: the bundled default model). dtype: "float32", "bfloat16" or
+    "float16". device: a torch device. A GGUF file brings its own tokenizer, EOS ids and chat template (its
+    `tokenizer.ggml.*` / `tokenizer.chat_template` metadata). tokenizer: a folder with tokenizer.json (and the config
+    files naming EOS ids), or a GGUF file, whose tokenizer to use instead of the model's own. chat_template: a
+    .jinja file to use instead of the model's own template. progress: show a loading progress bar on stderr.
     """
 
     def __init__(self, path: str | Path | None = None, dtype: str = "float32", device: str = "cpu", *,
@@ -77,13 +78,18 @@ class LLM:
             self.engine = Engine.load(path, dtype, device)
             bar.update()
             bar.set_postfix_str(steps[1])
-            self.tokenizer = Tokenizer.from_dir(tokenizer if tokenizer is not None else self.engine.path)
+            self.tokenizer = Tokenizer.from_model(tokenizer if tokenizer is not None else self.engine.path)
             bar.update()
             bar.set_postfix_str(steps[2])
             specials = self.tokenizer.special_tokens_map
-            self.chat_template: ChatTemplate | None = (
-                ChatTemplate.from_file(chat_template, specials) if chat_template is not None
-                else ChatTemplate.from_dir(self.tokenizer.folder, specials, self.tokenizer.config))
+            self.chat_template: ChatTemplate | None
+            if chat_template is not None:
+                self.chat_template = ChatTemplate.from_file(chat_template, specials)
+            elif self.tokenizer.gguf is not None:  # the GGUF's own template, as it carries its own tokenizer
+                self.chat_template = ChatTemplate.from_config(self.tokenizer.config, specials,
+                                                              f"{self.tokenizer.gguf} (tokenizer.chat_template)")
+            else:
+                self.chat_template = ChatTemplate.from_dir(self.tokenizer.folder, specials, self.tokenizer.config)
             bar.update()
 
     @property
@@ -137,7 +143,8 @@ class LLM:
         """The prompt text the chat template makes of `messages` (what transformers' apply_chat_template gives)."""
         if self.chat_template is None:
             raise StrataError(f"the model at {self.path} has no chat template (no chat_template.jinja, no "
-                              "chat_template in tokenizer_config.json); give one with chat_template=...")
+                              "chat_template in tokenizer_config.json or in the GGUF metadata); give one with "
+                              "chat_template=...")
         return self.chat_template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                          **template_kwargs)
 

@@ -31,8 +31,9 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def add_tokenizer_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokenizer", metavar="DIR", default=None,
-                   help="folder with tokenizer.json when it is not beside the model (e.g. for a GGUF file)")
+    p.add_argument("--tokenizer", metavar="PATH", default=None,
+                   help="use this tokenizer instead of the model's own: a folder with tokenizer.json, or a GGUF "
+                        "file (a GGUF model brings its own tokenizer from its metadata)")
 
 
 def add_template_args(p: argparse.ArgumentParser) -> None:

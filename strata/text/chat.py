@@ -152,6 +152,27 @@ def _templates_from_config(value: Any, where: str) -> dict[str, str]:
                       "{name, template} objects")
 
 
+GGUF_TEMPLATE_KEY = "tokenizer.chat_template"
+
+
+def templates_from_gguf(metadata: Mapping[str, Any], where: str) -> dict[str, str]:
+    """A GGUF's chat templates as {name: template}: `tokenizer.chat_template` is "default", and
+    `tokenizer.chat_template.<name>` the named ones (gguf-py writes tokenizer_config.json's named templates there,
+    listing the names in `tokenizer.chat_templates`)."""
+    out: dict[str, str] = {}
+    for key, value in metadata.items():
+        if key == GGUF_TEMPLATE_KEY:
+            name = "default"
+        elif key.startswith(GGUF_TEMPLATE_KEY + ".") and len(key) > len(GGUF_TEMPLATE_KEY) + 1:
+            name = key[len(GGUF_TEMPLATE_KEY) + 1:]
+        else:
+            continue
+        if not isinstance(value, str):
+            raise StrataError(f"{where}: {key} must be a string (a Jinja chat template)")
+        out[name] = value
+    return out
+
+
 def _is_list_of_objects(value: Any) -> bool:
     return (isinstance(value, Sequence) and not isinstance(value, (str, bytes))
             and all(isinstance(v, Mapping) for v in value))
@@ -203,6 +224,15 @@ class ChatTemplate:
         where = str(folder / "tokenizer_config.json")
         templates = _templates_from_config((tokenizer_config or {}).get("chat_template"), where)
         return cls(templates, special_tokens, where) if templates else None
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], special_tokens: Mapping[str, str] | None = None,
+                    origin: str = "tokenizer_config.json") -> ChatTemplate | None:
+        """The template(s) under `chat_template` in a tokenizer_config.json-shaped mapping, or None when it has
+        none. For tokenizers that carry their template inside the model file (a GGUF's `Tokenizer.config`), where
+        no template file beside the model may override it."""
+        templates = _templates_from_config(config.get("chat_template"), origin)
+        return cls(templates, special_tokens, origin) if templates else None
 
     @classmethod
     def from_file(cls, path: str | Path, special_tokens: Mapping[str, str] | None = None) -> ChatTemplate:

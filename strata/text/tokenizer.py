@@ -1,10 +1,18 @@
-"""The tokenizer of a model folder: `tokenizer.json` run by the `tokenizers` library, plus what the model files
-around it say about special tokens and end-of-sequence ids.
+"""The tokenizer of a model: `tokenizer.json` run by the `tokenizers` library, plus what the model files around it
+say about special tokens and end-of-sequence ids; or, for a GGUF file, the same tokenizer rebuilt from its
+`tokenizer.ggml.*` metadata, so that a GGUF file alone is a complete model.
 
 `tokenizer.json` is used exactly as written (normalizer, split regex, byte-level BPE). transformers 5 instead
 rebuilds some tokenizer classes from the vocabulary with a class-defined pre-tokenizer (its `Qwen2Tokenizer`
 uses the Qwen2 split regex, which lacks the `\\p{M}` combining-mark classes of the Qwen3.5 regex in the file);
 the file is what llama.cpp and the model's training used, so it is the one strata follows.
+
+A GGUF file carries the vocabulary (`tokenizer.ggml.tokens`), the token types, the BPE merges and the name of the
+pre-tokenizer (`tokenizer.ggml.pre`), but not the pipeline around them. `Tokenizer.from_gguf` writes the
+tokenizer.json that the Hugging Face tokenizer of that family has (byte-level BPE, NFC normalizer, the family's
+split regex, ByteLevel decoder) and runs it like any other, so both sources give the same ids. Only the
+tokenizer models and pre-tokenizers whose pipeline is known exactly are accepted (`GGUF_PRE_TOKENIZERS`); any other
+is refused by name rather than approximated, because a near miss tokenizes most text right and some text wrong.
 """
 
 from __future__ import annotations
@@ -82,32 +90,240 @@ def _is_byte_level(decoder: Any) -> bool:
     return decoder.get("type") == "Sequence" and any(_is_byte_level(d) for d in decoder.get("decoders", []))
 
 
-class Tokenizer:
-    """Text <-> ids for one model folder, with the special tokens and EOS ids the rest of strata needs.
+# --- GGUF metadata -> tokenizer.json -------------------------------------------------------------------------------
 
-    Build it with `Tokenizer.from_dir(model_path)`. `token_bytes(id)` gives the raw bytes a token stands for,
-    which is what streaming needs: byte-level BPE splits multi-byte characters across tokens, so text can only be
-    produced once a character's bytes are complete (see strata.text.detok).
+# The pre-tokenizer split regex of each supported `tokenizer.ggml.pre`, as the family's tokenizer.json writes it
+# (transformers' Qwen2Tokenizer / Qwen3_5Tokenizer build the same; llama.cpp's llama-vocab.cpp keeps these as the
+# "original regex from tokenizer.json" of LLAMA_VOCAB_PRE_TYPE_QWEN2 / _QWEN35, spelling the case-insensitive
+# contractions out for its own regex engine). qwen35 differs from qwen2 only in the `\p{M}` classes: combining
+# marks stay with their letters and out of punctuation runs.
+GGUF_PRE_TOKENIZERS: dict[str, str] = {
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+             r"\s+(?!\S)|\s+",
+    "qwen35": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|"
+              r"\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+# `tokenizer.ggml.model` values strata can run: "gpt2" is llama.cpp's name for byte-level BPE.
+GGUF_TOKENIZER_MODELS = ("gpt2",)
+
+# llama.cpp's token types (`llama_token_type`, the values of tokenizer.ggml.token_type).
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+_TOKEN_TYPE_NAMES = {0: "UNDEFINED", 1: "NORMAL", 2: "UNKNOWN", 3: "CONTROL", 4: "USER_DEFINED", 5: "UNUSED",
+                     6: "BYTE"}
+
+# Named special tokens -> the GGUF key holding the id (llama.cpp's spelling, "seperator" included).
+_GGUF_SPECIAL_KEYS = {
+    "bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id", "sep_token": "tokenizer.ggml.seperator_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id", "cls_token": "tokenizer.ggml.cls_token_id",
+    "mask_token": "tokenizer.ggml.mask_token_id",
+}
+# The keys naming ids that end generation: end of sequence, of turn, of message (llama.cpp reads the same; it also
+# guesses more end tokens from their text, e.g. "<|endoftext|>", which strata does not: only what the file states).
+_GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def _gguf_list(md: dict[str, Any], key: str, kind: type, where: str) -> list[Any]:
+    """A required array of `kind` from GGUF metadata, or a StrataError naming the key."""
+    value = md.get(key)
+    if value is None:
+        raise StrataError(f"{where}: {key} is missing; a byte-level BPE tokenizer needs it")
+    if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
+        raise StrataError(f"{where}: {key} must be an array of {kind.__name__}")
+    return value
+
+
+def _gguf_flag(md: dict[str, Any], key: str, where: str) -> bool:
+    value = md.get(key, False)
+    if not isinstance(value, bool):
+        raise StrataError(f"{where}: {key} must be a boolean, got {value!r}")
+    return value
+
+
+def _gguf_id(md: dict[str, Any], key: str, n_tokens: int, where: str) -> int | None:
+    """A token id from GGUF metadata (None when absent); an id outside the vocabulary is an error, not skipped,
+    since a wrong end-of-sequence id would silently change where generation stops."""
+    value = md.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < n_tokens:
+        raise StrataError(f"{where}: {key} = {value!r} is not a token id of its {n_tokens}-token vocabulary")
+    return value
+
+
+def gguf_tokenizer_files(md: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(tokenizer.json, tokenizer_config.json, config.json) contents equivalent to a GGUF's `tokenizer.ggml.*`
+    metadata, for `Tokenizer` to run.
+
+    How the GGUF was made (llama.cpp's converter, `get_vocab_base`): every id below the vocabulary size is listed;
+    ids the HF tokenizer lacked are `[PAD<i>]` UNUSED entries, added tokens marked special are CONTROL, other added
+    tokens USER_DEFINED, the rest NORMAL. The inverse: NORMAL, CONTROL and USER_DEFINED tokens form the BPE
+    vocabulary at their GGUF ids; CONTROL and USER_DEFINED are also added tokens (matched in text before the BPE,
+    special or not); UNUSED ids stay unknown, as they are in the HF tokenizer. Added tokens are listed in the
+    vocabulary too because the `tokenizers` library numbers added tokens that are not in it by their order,
+    ignoring the ids written beside them.
+    """
+    model = md.get("tokenizer.ggml.model")
+    if model is None:
+        raise StrataError(f"{where} has no tokenizer (no tokenizer.ggml.model); give the folder with the model's "
+                          "tokenizer.json (--tokenizer DIR, LLM(tokenizer=...))")
+    if model not in GGUF_TOKENIZER_MODELS:
+        raise StrataError(f"{where}: tokenizer.ggml.model = {model!r} is not supported; strata runs byte-level BPE "
+                          f"tokenizers ({', '.join(repr(m) for m in GGUF_TOKENIZER_MODELS)}); give the model's "
+                          "tokenizer.json folder with --tokenizer DIR instead")
+    pre = md.get("tokenizer.ggml.pre")
+    if pre not in GGUF_PRE_TOKENIZERS:
+        shown = "missing" if pre is None else f"{pre!r}"
+        raise StrataError(f"{where}: pre-tokenizer tokenizer.ggml.pre = {shown} is not supported (strata knows "
+                          f"{', '.join(repr(p) for p in GGUF_PRE_TOKENIZERS)}); give the model's tokenizer.json "
+                          "folder with --tokenizer DIR instead")
+    tokens = _gguf_list(md, "tokenizer.ggml.tokens", str, where)
+    types = _gguf_list(md, "tokenizer.ggml.token_type", int, where)
+    merges_raw = _gguf_list(md, "tokenizer.ggml.merges", str, where)
+    if len(types) != len(tokens):
+        raise StrataError(f"{where}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+
+    vocab: dict[str, int] = {}
+    added: list[dict[str, Any]] = []
+    for i, (text, kind) in enumerate(zip(tokens, types)):
+        if kind == TOKEN_UNUSED:
+            continue
+        if kind not in (TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED):
+            raise StrataError(f"{where}: token {i} ({text!r}) has type {kind} "
+                              f"({_TOKEN_TYPE_NAMES.get(kind, 'unknown')}), which a byte-level BPE vocabulary does "
+                              "not have")
+        if text in vocab:
+            raise StrataError(f"{where}: token {text!r} appears twice (ids {vocab[text]} and {i}); its id would be "
+                              "ambiguous")
+        vocab[text] = i
+        if kind != TOKEN_NORMAL:
+            added.append({"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": kind == TOKEN_CONTROL})
+    merges = []
+    for m in merges_raw:
+        cut = m.find(" ", 1)  # as llama.cpp splits them: the first space after the first character
+        if cut < 0:
+            raise StrataError(f"{where}: BPE merge {m!r} is not two tokens separated by a space")
+        merges.append([m[:cut], m[cut + 1:]])
+
+    n = len(tokens)
+    specials = {attr: _gguf_id(md, key, n, where) for attr, key in _GGUF_SPECIAL_KEYS.items()}
+    eos = [i for i in (_gguf_id(md, key, n, where) for key in _GGUF_EOS_KEYS) if i is not None]
+    # Absent means no: llama.cpp's default for these BPE vocabularies, and Qwen's HF tokenizers add no BOS.
+    add_bos = _gguf_flag(md, "tokenizer.ggml.add_bos_token", where)
+    add_eos = _gguf_flag(md, "tokenizer.ggml.add_eos_token", where)
+    post_processor = None
+    if add_bos or add_eos:
+        # llama.cpp puts the BOS before and the EOS after the text; as transformers' template for such tokenizers.
+        used = [attr for flag, attr in ((add_bos, "bos_token"), (add_eos, "eos_token")) if flag]
+        for attr in used:
+            if specials[attr] is None:
+                raise StrataError(f"{where}: tokenizer.ggml.add_{attr} is set but the file names no {attr} id")
+
+        def piece(seq: str, type_id: int) -> list[dict[str, Any]]:
+            out: list[dict[str, Any]] = [{"Sequence": {"id": seq, "type_id": type_id}}]
+            if add_bos:
+                out.insert(0, {"SpecialToken": {"id": tokens[specials["bos_token"]], "type_id": type_id}})
+            if add_eos:
+                out.append({"SpecialToken": {"id": tokens[specials["eos_token"]], "type_id": type_id}})
+            return out
+
+        post_processor = {
+            "type": "TemplateProcessing", "single": piece("A", 0), "pair": piece("A", 0) + piece("B", 1),
+            "special_tokens": {tokens[specials[a]]: {"id": tokens[specials[a]], "ids": [specials[a]],
+                                                     "tokens": [tokens[specials[a]]]} for a in used},
+        }
+
+    tokenizer_json = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": GGUF_PRE_TOKENIZERS[pre]}, "behavior": "Isolated",
+             "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+        "post_processor": post_processor,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": vocab, "merges": merges},
+    }
+    from strata.text.chat import templates_from_gguf
+
+    tokenizer_config: dict[str, Any] = {attr: tokens[i] for attr, i in specials.items() if i is not None}
+    tokenizer_config.update(add_bos_token=add_bos, add_eos_token=add_eos)
+    templates = templates_from_gguf(md, where)
+    if templates:
+        tokenizer_config["chat_template"] = templates
+    return tokenizer_json, tokenizer_config, {"eos_token_id": list(dict.fromkeys(eos))}
+
+
+class Tokenizer:
+    """Text <-> ids for one model, with the special tokens and EOS ids the rest of strata needs.
+
+    Build it with `Tokenizer.from_model(path)` (a model folder or a GGUF file), or `from_dir` / `from_gguf` to pick
+    the source. `token_bytes(id)` gives the raw bytes a token stands for, which is what streaming needs: byte-level
+    BPE splits multi-byte characters across tokens, so text can only be produced once a character's bytes are
+    complete (see strata.text.detok). `gguf` is the GGUF file the tokenizer was read from (None for tokenizer.json);
+    `config` holds what tokenizer_config.json would (named special tokens, `chat_template`) for either source.
     """
 
     def __init__(self, folder: Path, tokenizer_json: dict[str, Any], tokenizer_config: dict[str, Any],
-                 model_config: dict[str, Any], generation_config: dict[str, Any]):
+                 model_config: dict[str, Any], generation_config: dict[str, Any], *, gguf: Path | None = None):
         from tokenizers import Tokenizer as HFTokenizer
 
         self.folder = folder
+        self.gguf = gguf
         self.config = tokenizer_config
+        origin = gguf if gguf is not None else folder / "tokenizer.json"
         try:
             self._tok = HFTokenizer.from_str(json.dumps(tokenizer_json))
         except Exception as e:  # noqa: BLE001  (the tokenizers library raises bare Exceptions for bad files)
-            raise StrataError(f"{folder / 'tokenizer.json'} is not a usable tokenizer: {e}") from None
+            raise StrataError(f"{origin} is not a usable tokenizer: {e}") from None
         if not _is_byte_level(tokenizer_json.get("decoder")):
             kind = (tokenizer_json.get("decoder") or {}).get("type")
-            raise StrataError(f"{folder / 'tokenizer.json'}: decoder {kind!r} is not supported; strata streams "
+            raise StrataError(f"{origin}: decoder {kind!r} is not supported; strata streams "
                               "byte-level BPE tokenizers (decoder type ByteLevel), the qwen4_exp family's kind")
         self._added = dict(self._tok.get_added_tokens_decoder())
         self.special_ids: frozenset[int] = frozenset(i for i, t in self._added.items() if t.special)
         self.special_tokens_map = self._named_special_tokens(tokenizer_config)
         self.eos_ids = self._eos_ids(model_config, generation_config)
+
+    @classmethod
+    def from_model(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer of whatever `path` names: a folder (or a file inside one) -> its tokenizer.json; a GGUF
+        file or any part of a split set -> its own `tokenizer.ggml.*` metadata, or, for a GGUF without them, the
+        tokenizer.json beside it."""
+        from strata.weights.loader import is_gguf
+
+        path = Path(path)
+        if not path.exists():
+            raise StrataError(f"model path {path} does not exist")
+        if path.is_file() and is_gguf(path):
+            from strata.weights.gguf import open_gguf
+
+            gset = open_gguf(path)
+            if "tokenizer.ggml.model" in gset.metadata or not (path.parent / "tokenizer.json").is_file():
+                return cls._from_gguf_metadata(gset.metadata, gset.path)
+        return cls.from_dir(path)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer a GGUF file (or any part of a split set) describes in its `tokenizer.ggml.*` metadata;
+        see `gguf_tokenizer_files` for what is supported."""
+        from strata.weights.gguf import open_gguf
+
+        path = Path(path)
+        if not path.exists():
+            raise StrataError(f"model path {path} does not exist")
+        gset = open_gguf(path)
+        return cls._from_gguf_metadata(gset.metadata, gset.path)
+
+    @classmethod
+    def _from_gguf_metadata(cls, metadata: dict[str, Any], path: Path) -> Tokenizer:
+        """Built like a folder's tokenizer, from the equivalent files; the folder is the GGUF's, but nothing in it
+        is read (the file is the whole model)."""
+        tokenizer_json, tokenizer_config, model_config = gguf_tokenizer_files(metadata, str(path))
+        return cls(path.parent, tokenizer_json, tokenizer_config, model_config, {}, gguf=path)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
