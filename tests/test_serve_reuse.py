@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from strata.api import LLM
+from strata.model.model import SequenceState
 from strata.serve.cache import PrefixCache, state_bytes
 from strata.serve.context import ServeOptions
 from strata.serve.tools import parse_output
@@ -122,7 +123,7 @@ def test_repeated_prompt_runs_one_token(srv: Running, client: openai.OpenAI, cha
 
 # --- the cache itself -------------------------------------------------------------------------------------------
 
-def _state(llm: LLM, ids: list[int]):  # noqa: ANN202
+def _state(llm: LLM, ids: list[int]) -> SequenceState:
     s = llm.engine.new_state()
     llm.engine.prefill(ids, s)
     return s

@@ -72,7 +72,8 @@ def test_unreadable_or_cut_off_calls_stay_text() -> None:
 
 
 def test_xml_dialect_with_schema_types() -> None:
-    body = "\n<function=get_weather>\n<parameter=city>\n2024\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n"
+    body = ("\n<function=get_weather>\n<parameter=city>\n2024\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n</function>\n")
     call = parse_tool_call(body, {"get_weather": {"city"}})
     assert call is not None and call.name == "get_weather"
     assert call.arguments == {"city": "2024", "days": 3}  # city is a string in the schema; days is read as JSON

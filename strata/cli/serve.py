@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from strata.cli.common import add_model_args
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     from strata.api import LLM
 
     llm = LLM(args.model, args.dtype, args.device, tokenizer=args.tokenizer, chat_template=args.chat_template,
-              progress=True)
+              progress=sys.stderr.isatty())
     # Bound to loopback without a key, only loopback Host names are answered: a web page elsewhere could
     # otherwise reach the server through DNS rebinding.
     options = ServeOptions(model_name=args.model_name, api_key=api_key, max_concurrency=args.max_concurrency,

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -142,7 +143,8 @@ async def messages(request: Request) -> Response:
     ctx.check_model(req.model)
     _check_supported(req)
     tools = _tool_specs(req)
-    prompt = ctx.chat_prompt(template_messages(req), tools, _template_kwargs(ctx, req, tools))
+    prompt = await run_in_threadpool(ctx.chat_prompt, template_messages(req), tools,
+                                     _template_kwargs(ctx, req, tools))
     params = ctx.sampling(max_tokens=ctx.max_tokens(req.max_tokens, len(prompt.ids)), temperature=req.temperature,
                           top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences)
     job = ctx.start_job("/v1/messages", prompt.ids, params, prompt.checkpoints)

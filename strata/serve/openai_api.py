@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -137,8 +138,9 @@ async def chat_completions(request: Request) -> Response:
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     use_tools = tools is not None and req.tool_choice != "none"
     offered = tools if use_tools else None
-    prompt = ctx.chat_prompt([template_message(m) for m in req.messages], offered,
-                             _template_kwargs(ctx, req, offered))
+    # Rendering and tokenizing a long conversation takes a while: off the event loop, so streams keep flowing.
+    prompt = await run_in_threadpool(ctx.chat_prompt, [template_message(m) for m in req.messages], offered,
+                                     _template_kwargs(ctx, req, offered))
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     params = ctx.sampling(max_tokens=ctx.max_tokens(requested, len(prompt.ids), field),
@@ -238,7 +240,7 @@ async def completions(request: Request) -> Response:
         raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
     if req.suffix:
         raise ApiError(400, "suffix (fill-in-the-middle) is not supported by this server", param="suffix")
-    ids = _completion_prompt(ctx, req.prompt)
+    ids = await run_in_threadpool(_completion_prompt, ctx, req.prompt)
     params = ctx.sampling(max_tokens=ctx.max_tokens(req.max_tokens if req.max_tokens is not None else
                                                     min(16, ctx.max_tokens_limit), len(ids)),
                           temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
