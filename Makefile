@@ -15,8 +15,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q -e .
 	touch $@
 
+# The browser test drives Debian's Chromium (playwright's own browser download is not used).
 $(VENV)/.test-installed: $(VENV)/.installed pyproject.toml
 	$(PIP) install -q -e '.[test]'
+	command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium)
 	touch $@
 
 run: $(VENV)/.installed
