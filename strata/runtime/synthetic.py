@@ -117,8 +117,8 @@ def _tensor(name: str, shape: tuple[int, ...], type_name: str, device: torch.dev
 
 def synthetic_weights(cfg: ModelConfig, mix: TypeMix, device: str | torch.device, seed: int = 0,
                       ple_table_device: str | torch.device = "cpu") -> Weights:
-    """Every tensor of the geometry, generated in its storage type. The PLE table is allocated uninitialised
-    (zero pages) on `ple_table_device`: only the rows a token hashes to are ever read."""
+    """Every tensor of the geometry, generated in its storage type. The PLE table (tens of GB) is allocated, not
+    filled, on `ple_table_device`: only the rows a token hashes to are ever read."""
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors: dict[str, StoredTensor] = {}
@@ -130,7 +130,7 @@ def synthetic_weights(cfg: ModelConfig, mix: TypeMix, device: str | torch.device
 
             t = next(t for t in GGML_TYPES.values() if t.name == type_name)
             row_bytes = shape[1] // t.block_size * t.type_size
-            data = torch.zeros(shape[0], row_bytes, dtype=torch.uint8, device=ple_table_device)
+            data = torch.empty(shape[0], row_bytes, dtype=torch.uint8, device=ple_table_device)
             tensors[name] = QuantTensor(name, data, t.id, shape)
             continue
         tensors[name] = _tensor(name, shape, type_name, device, gen)

@@ -65,6 +65,10 @@ class QuantTensor(StoredTensor):
         if len(self.shape) != 2:
             raise WeightError(f"{self.name}: rows() needs a 2-D tensor, this one is {self.shape}")
         flat = index.reshape(-1).to(torch.int64)
+        if flat.is_cuda and self.data.is_cuda:
+            # No host synchronisation, so a captured decode step can gather its token's row; the ids were
+            # checked against the vocabulary when they were staged.
+            return self._decode(self.data.index_select(0, flat), dtype).reshape(*index.shape, self.cols)
         n = self.shape[0]
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
             raise WeightError(f"{self.name}: row index out of range [0, {n})")
