@@ -6,9 +6,10 @@ dequantizer is strata.weights.quants (bit-exact vs gguf-py); Q2_0 (ggml type 42)
 decodes, has its 6-line reference here.
 
 Tolerance: |y - ref| <= RTOL * sum_k |w_k x_k| per output. Both sides round to fp32 only (the reference decodes in
-fp32, the kernel sums q*x per sub-block and scales after, in chunks); for K <= 512 that rounding is bounded by
-about 25 units of fp32 roundoff (1.5e-6). A single mis-decoded weight, scale or sign moves an output by ~1e-3 of
-that sum or more, so 1e-5 separates the two by two orders of magnitude either way.
+fp32; the kernel forms d*sc first, then q * that, and accumulates per element over chunks before one tree sum);
+for K <= 512 that rounding is bounded by about 25 units of fp32 roundoff (1.5e-6). A single mis-decoded weight,
+scale or sign moves an output by ~1e-3 of that sum or more, so 1e-5 separates the two by two orders of magnitude
+either way.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Matrix-vector products straight from stored (ggml block-quantized or dense) weights, in Triton.
 
-Decode at batch 1 is memory-bound: every weight byte is read once per token, so the fastest GEMV is the one that
-reads the packed blocks as they are stored, decodes them in registers and never writes a dequantized copy. Each
-block type family has one decode-and-dot step (`gemv_blocks.py`); one kernel skeleton (`_gemv_kernel`) runs any of
-them over a tile of BN rows, looping over K in chunks, with fp32 accumulation.
+Decode at batch 1 is memory-bound: every weight byte is read once per token, so the GEMV reads the packed blocks
+as they are stored, decodes them in registers and never writes a dequantized copy. Each block type has one
+decoder (`gemv_blocks.py`); one kernel skeleton (`_gemv_kernel`) runs any of them over a tile of BN rows, looping
+over K in chunks, with fp32 accumulation.
 
     gemv(x (T, K), w_data (N, row_bytes) uint8, type_id, K)                -> (T, N) fp32
     gemv_experts(x (k|1, K), w_data (E, N, row_bytes), expert_ids (k,), type_id, K) -> (k, N) fp32
@@ -15,6 +15,12 @@ but its output (pass `out=` to avoid even that), so both can be captured in a CU
 
 Dense weights (F32, F16, BF16) go through the same kernel with one "block" per element; their `w_data` may be the
 typed tensor itself or its uint8 view.
+
+Speed (tools/gpu_check_gemv.py, H200, K=2560, N=8192, one token, as a fraction of the device copy rate): dense
+rows 0.8-0.9; the quantized types decode about 1.2-1.9e12 weights/s whatever their size, i.e. they are bound by
+per-weight instructions, not by memory: Q8_0 0.40, Q5_1/Q4_1/Q4_0/Q6_K/Q5_0 0.22-0.27, Q4_K/Q5_K/IQ4_* 0.19-0.20,
+the 2-3 bit types 0.07-0.13. Several tokens per launch share the decode but not the x loads and FMAs. The
+per-type rows/warps defaults below are the fastest of a sweep; `--sweep` in the tool repeats it.
 """
 
 from __future__ import annotations
@@ -30,8 +36,13 @@ from strata.kernels import gemv_blocks as gb
 from strata.kernels.gemv_tables import device_table
 
 MAX_TOKENS = 8
-"""Tokens per launch: each token costs a multiply-reduce over the decoded tile, so beyond this a launch per group of
-8 is as fast and keeps the unrolled kernel small."""
+"""Tokens per launch: each has its own accumulator tile (unrolled in the kernel), so more tokens go in groups of 8."""
+
+MULTI_TOKEN_ROWS = 8
+MULTI_TOKEN_WARPS = 8
+"""Launch shape for 2-8 tokens: max(8, block_n / T) rows, 8 warps. Each token adds an accumulator tile, so fewer
+rows per program keep registers in check, but each x element loaded must still serve several rows: at 8 tokens
+8 rows and 8 warps measured fastest (2, 4 and 8 rows tried, H200)."""
 
 
 @dataclass(frozen=True)
@@ -42,8 +53,8 @@ class GemvType:
     decode, rank: the `gemv_blocks` decoder and the rank of the weight tile it returns.
     max_chunk_blocks: blocks decoded per loop step (a power of two; fewer when K/block_elems is not a multiple).
     table: the lookup table the decode gathers from (`gemv_tables.device_table`), if any.
-    block_n, num_warps: launch defaults, rows and warps per program for one token; with T tokens the rows per
-        program shrink by T (rounded up to a power of two), so the T accumulators take the registers one did.
+    block_n, num_warps: launch defaults for one token, rows and warps per program (several tokens: see
+        MULTI_TOKEN_ROWS).
     dense_dtype: the element type of dense rows (None for block types).
     f16_fields: byte offsets of the fp16 scale fields in a block (for making random blocks with sane scales).
     """
@@ -63,26 +74,28 @@ class GemvType:
 
 
 _TYPE_LIST: tuple[GemvType, ...] = (
+    # name, ggml id, block elems, block bytes, decoder, tile rank, max blocks per chunk, then rows/warps per program
+    # where not 16/4 (the fastest of a sweep at K=2560, N=8192, one token, on an H200)
     GemvType("F32", 0, 1, 4, gb.decode_dense, 2, 256, dense_dtype=torch.float32),
     GemvType("F16", 1, 1, 2, gb.decode_dense, 2, 512, dense_dtype=torch.float16),
     GemvType("BF16", 30, 1, 2, gb.decode_dense, 2, 512, dense_dtype=torch.bfloat16),
-    GemvType("Q4_0", 2, 32, 18, gb.decode_q4_0, 4, 8, f16_fields=(0,)),
-    GemvType("Q4_1", 3, 32, 20, gb.decode_q4_1, 4, 8, f16_fields=(0, 2)),
-    GemvType("Q5_0", 6, 32, 22, gb.decode_q5_0, 4, 8, f16_fields=(0,)),
-    GemvType("Q5_1", 7, 32, 24, gb.decode_q5_1, 4, 8, f16_fields=(0, 2)),
-    GemvType("Q8_0", 8, 32, 34, gb.decode_q8_0, 3, 8, f16_fields=(0,)),
+    GemvType("Q4_0", 2, 32, 18, gb.decode_q4_0, 4, 8, block_n=8, f16_fields=(0,)),
+    GemvType("Q4_1", 3, 32, 20, gb.decode_q4_1, 6, 8, num_warps=8, f16_fields=(0, 2)),
+    GemvType("Q5_0", 6, 32, 22, gb.decode_q5_0, 5, 8, f16_fields=(0,)),
+    GemvType("Q5_1", 7, 32, 24, gb.decode_q5_1, 6, 8, block_n=8, f16_fields=(0, 2)),
+    GemvType("Q8_0", 8, 32, 34, gb.decode_q8_0, 3, 8, block_n=8, f16_fields=(0,)),
     GemvType("IQ4_NL", 20, 32, 18, gb.decode_iq4_nl, 4, 8, table="IQ4", f16_fields=(0,)),
-    GemvType("Q2_0", 42, 64, 18, gb.decode_q2_0, 4, 4, f16_fields=(0,)),
+    GemvType("Q2_0", 42, 64, 18, gb.decode_q2_0, 6, 4, f16_fields=(0,)),
     GemvType("Q2_K", 10, 256, 84, gb.decode_q2_k, 5, 1, f16_fields=(80, 82)),
-    GemvType("Q3_K", 11, 256, 110, gb.decode_q3_k, 5, 1, f16_fields=(108,)),
-    GemvType("Q4_K", 12, 256, 144, gb.decode_q4_k, 4, 1, f16_fields=(0, 2)),
-    GemvType("Q5_K", 13, 256, 176, gb.decode_q5_k, 4, 1, f16_fields=(0, 2)),
-    GemvType("Q6_K", 14, 256, 210, gb.decode_q6_k, 5, 1, f16_fields=(208,)),
-    GemvType("IQ2_XXS", 16, 256, 66, gb.decode_iq2_xxs, 4, 1, table="IQ2_XXS", f16_fields=(0,)),
-    GemvType("IQ2_XS", 17, 256, 74, gb.decode_iq2_xs, 4, 1, table="IQ2_XS", f16_fields=(0,)),
-    GemvType("IQ3_XXS", 18, 256, 98, gb.decode_iq3_xxs, 4, 1, table="IQ3_XXS", f16_fields=(0,)),
-    GemvType("IQ3_S", 21, 256, 110, gb.decode_iq3_s, 4, 1, table="IQ3_S", f16_fields=(0,)),
-    GemvType("IQ2_S", 22, 256, 82, gb.decode_iq2_s, 4, 1, table="IQ2_S", f16_fields=(0,)),
+    GemvType("Q3_K", 11, 256, 110, gb.decode_q3_k, 5, 1, num_warps=8, f16_fields=(108,)),
+    GemvType("Q4_K", 12, 256, 144, gb.decode_q4_k, 4, 1, block_n=32, num_warps=8, f16_fields=(0, 2)),
+    GemvType("Q5_K", 13, 256, 176, gb.decode_q5_k, 6, 1, block_n=8, f16_fields=(0, 2)),
+    GemvType("Q6_K", 14, 256, 210, gb.decode_q6_k, 5, 1, block_n=8, f16_fields=(208,)),
+    GemvType("IQ2_XXS", 16, 256, 66, gb.decode_iq2_xxs, 5, 1, table="IQ2_XXS", block_n=8, f16_fields=(0,)),
+    GemvType("IQ2_XS", 17, 256, 74, gb.decode_iq2_xs, 5, 1, table="IQ2_XS", block_n=8, f16_fields=(0,)),
+    GemvType("IQ3_XXS", 18, 256, 98, gb.decode_iq3_xxs, 5, 1, table="IQ3_XXS", block_n=8, f16_fields=(0,)),
+    GemvType("IQ3_S", 21, 256, 110, gb.decode_iq3_s, 5, 1, table="IQ3_S", block_n=8, f16_fields=(0,)),
+    GemvType("IQ2_S", 22, 256, 82, gb.decode_iq2_s, 5, 1, table="IQ2_S", block_n=8, f16_fields=(0,)),
     GemvType("IQ4_XS", 23, 256, 136, gb.decode_iq4_xs, 4, 1, table="IQ4", f16_fields=(0,)),
 )
 
@@ -126,17 +139,11 @@ def _x(xc, xo, xs, t: tl.constexpr):
 
 
 @triton.jit
-def _acc(a, w, xc, xo, xs, t: tl.constexpr, T: tl.constexpr):
-    """a + w * x[t] for a token that exists; for t >= T, `a` unchanged (a scalar placeholder)."""
-    if t < T:
-        a = a + w * _x(xc, xo, xs, t)
-    return a
-
-
-@triton.jit
 def _rowsum(a, RANK: tl.constexpr):
     """Sum over every dimension but the first (rows)."""
-    if RANK == 5:
+    if RANK >= 6:
+        a = tl.sum(a, axis=5)
+    if RANK >= 5:
         a = tl.sum(a, axis=4)
     if RANK >= 4:
         a = tl.sum(a, axis=3)
@@ -171,7 +178,7 @@ def _gemv_kernel(
     Each chunk is decoded once into a weight tile and multiplied by each token's x into that token's accumulator,
     a tile of the same shape and layout (so no data moves between threads inside the loop); the tiles are summed
     over their K dimensions once, after the loop. The first chunk initialises the accumulators (their shape is the
-    decoder's); tokens past T keep a scalar placeholder that generates no code."""
+    decoder's); the accumulators of tokens past T are compile-time placeholders that generate no code."""
     pid = tl.program_id(0)
     slot = tl.program_id(1)
     rows = pid * BN + tl.arange(0, BN)
@@ -185,24 +192,45 @@ def _gemv_kernel(
     xs = x_tok_stride
     w, xo = DECODE(rp, tab_ptr, BN, NB)
     a0 = w * _x(xp, xo, xs, 0)
-    a1 = _acc(0.0, w, xp, xo, xs, 1, T)
-    a2 = _acc(0.0, w, xp, xo, xs, 2, T)
-    a3 = _acc(0.0, w, xp, xo, xs, 3, T)
-    a4 = _acc(0.0, w, xp, xo, xs, 4, T)
-    a5 = _acc(0.0, w, xp, xo, xs, 5, T)
-    a6 = _acc(0.0, w, xp, xo, xs, 6, T)
-    a7 = _acc(0.0, w, xp, xo, xs, 7, T)
+    a1 = 0.0
+    a2 = 0.0
+    a3 = 0.0
+    a4 = 0.0
+    a5 = 0.0
+    a6 = 0.0
+    a7 = 0.0
+    if T > 1:
+        a1 = w * _x(xp, xo, xs, 1)
+    if T > 2:
+        a2 = w * _x(xp, xo, xs, 2)
+    if T > 3:
+        a3 = w * _x(xp, xo, xs, 3)
+    if T > 4:
+        a4 = w * _x(xp, xo, xs, 4)
+    if T > 5:
+        a5 = w * _x(xp, xo, xs, 5)
+    if T > 6:
+        a6 = w * _x(xp, xo, xs, 6)
+    if T > 7:
+        a7 = w * _x(xp, xo, xs, 7)
     for c in range(1, n_chunks):
         xc = xp + c * CHUNK_X
         w, xo = DECODE(rp + c * CHUNK_W, tab_ptr, BN, NB)
         a0 += w * _x(xc, xo, xs, 0)
-        a1 = _acc(a1, w, xc, xo, xs, 1, T)
-        a2 = _acc(a2, w, xc, xo, xs, 2, T)
-        a3 = _acc(a3, w, xc, xo, xs, 3, T)
-        a4 = _acc(a4, w, xc, xo, xs, 4, T)
-        a5 = _acc(a5, w, xc, xo, xs, 5, T)
-        a6 = _acc(a6, w, xc, xo, xs, 6, T)
-        a7 = _acc(a7, w, xc, xo, xs, 7, T)
+        if T > 1:
+            a1 += w * _x(xc, xo, xs, 1)
+        if T > 2:
+            a2 += w * _x(xc, xo, xs, 2)
+        if T > 3:
+            a3 += w * _x(xc, xo, xs, 3)
+        if T > 4:
+            a4 += w * _x(xc, xo, xs, 4)
+        if T > 5:
+            a5 += w * _x(xc, xo, xs, 5)
+        if T > 6:
+            a6 += w * _x(xc, xo, xs, 6)
+        if T > 7:
+            a7 += w * _x(xc, xo, xs, 7)
     res = tl.zeros([BN, T_PAD], dtype=tl.float32)
     res = _put(res, a0, 0, T, T_PAD, RANK)
     res = _put(res, a1, 1, T, T_PAD, RANK)
@@ -271,7 +299,13 @@ def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | N
         return
     nb = _chunk_blocks(t, k)
     t_pad = triton.next_power_of_2(n_tok)
-    bn = max(2, (block_n or t.block_n) // t_pad)
+    if block_n is not None:
+        bn = max(2, block_n // t_pad)
+    elif n_tok == 1:
+        bn = t.block_n
+    else:
+        bn = max(MULTI_TOKEN_ROWS, t.block_n // t_pad)
+    nw = num_warps or (t.num_warps if n_tok == 1 else MULTI_TOKEN_WARPS)
     tab = device_table(t.table, w.device) if t.table is not None else w
     grid = (triton.cdiv(n, bn), slots)
     _gemv_kernel[grid](
@@ -280,7 +314,7 @@ def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | N
         w.stride(-2), w_slot_stride, x.stride(0), x_slot_stride, out.stride(0), out_slot_stride,
         DECODE=t.decode, RANK=t.rank, CHUNK_W=nb if t.dense_dtype is not None else nb * t.block_bytes,
         CHUNK_X=nb * t.block_elems, NB=nb, BN=bn, T=n_tok, T_PAD=t_pad,
-        HAS_IDS=ids is not None, num_warps=num_warps or t.num_warps,
+        HAS_IDS=ids is not None, num_warps=nw,
     )
 
 
@@ -290,8 +324,8 @@ def gemv(x: torch.Tensor, w_data: torch.Tensor, type_id: int | str, K: int, out:
 
     x: (T, K) float32/float16/bfloat16, rows contiguous. w_data: (N, row_bytes) uint8 ggml blocks, or for
     F32/F16/BF16 the (N, K) typed tensor (or its uint8 view). type_id: ggml type id (or its name). out: optional
-    (T, N) float32 to write into. block_n, num_warps: rows (for one token; scaled down with more, as the
-    default) and warps per program, to override the type's defaults (for tuning).
+    (T, N) float32 to write into. block_n, num_warps: rows (for one token; divided by T, rounded up to a power
+    of two, for more) and warps per program, to override the defaults (for tuning).
     Tokens go 8 per launch."""
     t = gemv_type(type_id)
     w = _weights(t, w_data, K, 2)

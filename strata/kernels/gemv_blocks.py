@@ -66,6 +66,24 @@ def _ksigns(s7):
     return s7 | ((p & 1) << 7)
 
 
+@triton.jit
+def _j4(a, b, c, d):
+    """[..., 2, 2] with [..., x, y] = (a, b, c, d)[2x + y]: a new pair of dimensions held inside each thread."""
+    return tl.join(tl.join(a, b), tl.join(c, d))
+
+
+@triton.jit
+def _j8(c0, c1, c2, c3, c4, c5, c6, c7):
+    """[..., 2, 2, 2] with [..., x, y, z] = c[4z + 2x + y], inside each thread."""
+    return tl.join(_j4(c0, c1, c2, c3), _j4(c4, c5, c6, c7))
+
+
+@triton.jit
+def _i32(p):
+    """int32 words at (4-byte aligned) byte pointers p."""
+    return tl.load(p.to(tl.pointer_type(tl.int32)))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # dense rows
 
@@ -92,83 +110,109 @@ def decode_q8_0(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def _nibbles(blk, off: tl.constexpr):
-    """The 16 nibble bytes at blk + off ([BN, NB] pointers) split into [BN, NB, 2 = low/high, 16] codes."""
-    i = tl.arange(0, 16)
-    nib = tl.arange(0, 2)
-    qb = _u8(blk[:, :, None] + off + i[None, None, :])
-    return (qb[:, :, None, :] >> (4 * nib)[None, None, :, None]) & 15
-
-
-@triton.jit
-def _xo_32(NB: tl.constexpr):
-    """x offsets [NB, 2, 16] of a 32-weight block's nibble order: element 16 * nibble + i."""
-    b = tl.arange(0, NB)
-    nib = tl.arange(0, 2)
-    i = tl.arange(0, 16)
-    return b[:, None, None] * 32 + nib[None, :, None] * 16 + i[None, None, :]
-
-
-@triton.jit
-def _qh_bits(qh, NB: tl.constexpr):
-    """Bit e of the 32-bit qh ([BN, NB]) for element e = 16 * nibble + i: [BN, NB, 2, 16], shifted to bit 4."""
-    e = tl.arange(0, 2)[:, None] * 16 + tl.arange(0, 16)[None, :]
-    return ((qh[:, :, None, None] >> e[None, None, :, :]) & 1) << 4
-
-
-@triton.jit
 def decode_q4_0(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
-    """Q4_0: {fp16 d; qs[16]}, element i low nibble of qs[i], 16+i high nibble; w = d (q - 8)."""
-    blk = rp[:, None] + tl.arange(0, NB)[None, :] * 18
-    q = _i2f(_nibbles(blk, 2), 8.0)
-    return q * _f16(blk)[:, :, None, None], _xo_32(NB)
+    """Q4_0: {fp16 d; qs[16]}, element i low nibble of qs[i], 16+i high nibble; w = d (q - 8).
+    [BN, NB, 16, 2 = nibble]."""
+    b = tl.arange(0, NB)
+    i = tl.arange(0, 16)
+    blk = rp[:, None] + b[None, :] * 18
+    qb = _u8(blk[:, :, None] + 2 + i[None, None, :])
+    d = _f16(blk)[:, :, None]
+    base = b[:, None] * 32 + i[None, :]
+    return tl.join(_i2f(qb & 15, 8.0) * d, _i2f(qb >> 4, 8.0) * d), tl.join(base, base + 16)
 
 
 @triton.jit
 def decode_q4_1(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
-    """Q4_1: {fp16 d, m; qs[16]}, w = d q + m."""
-    blk = rp[:, None] + tl.arange(0, NB)[None, :] * 20
-    q = _i2f(_nibbles(blk, 4), 0.0)
-    return q * _f16(blk)[:, :, None, None] + _f16(blk + 2)[:, :, None, None], _xo_32(NB)
+    """Q4_1: {fp16 d, m; qs[16]}, w = d q + m. The 20-byte blocks keep qs 4-byte aligned: read as 4 int32 words,
+    byte j of word k = qs[4k + j]. [BN, NB, 4, 2, 2 = byte, 2 = nibble]."""
+    b = tl.arange(0, NB)
+    k = tl.arange(0, 4)
+    blk = rp[:, None] + b[None, :] * 20
+    d = _f16(blk)[:, :, None]
+    m = _f16(blk + 2)[:, :, None]
+    v = tl.load((blk + 4).to(tl.pointer_type(tl.int32))[:, :, None] + k[None, None, :])
+    lo = _j4(_i2f(v & 15, 0.0) * d + m, _i2f((v >> 8) & 15, 0.0) * d + m,
+             _i2f((v >> 16) & 15, 0.0) * d + m, _i2f((v >> 24) & 15, 0.0) * d + m)
+    hi = _j4(_i2f((v >> 4) & 15, 0.0) * d + m, _i2f((v >> 12) & 15, 0.0) * d + m,
+             _i2f((v >> 20) & 15, 0.0) * d + m, _i2f((v >> 28) & 15, 0.0) * d + m)
+    base = b[:, None] * 32 + 4 * k[None, :]
+    xl = _j4(base, base + 1, base + 2, base + 3)
+    return tl.join(lo, hi), tl.join(xl, xl + 16)
 
 
 @triton.jit
 def decode_q5_0(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
-    """Q5_0: {fp16 d; uint32 qh; qs[16]}, 5th bit of element e is bit e of qh; w = d (q - 16)."""
-    blk = rp[:, None] + tl.arange(0, NB)[None, :] * 22
-    qh = _u16(blk + 2) | (_u16(blk + 4) << 16)
-    q = _i2f(_nibbles(blk, 6) | _qh_bits(qh, NB), 16.0)
-    return q * _f16(blk)[:, :, None, None], _xo_32(NB)
+    """Q5_0: {fp16 d; uint32 qh; qs[16]}, 5th bit of element e is bit e of qh; w = d (q - 16). qs read as 8
+    uint16 (the block is only 2-byte aligned). [BN, NB, 8, 2 = nibble, 2 = byte]."""
+    b = tl.arange(0, NB)
+    j = tl.arange(0, 8)
+    blk = rp[:, None] + b[None, :] * 22
+    d = _f16(blk)[:, :, None]
+    qh = (_u16(blk + 2) | (_u16(blk + 4) << 16))[:, :, None]
+    v = _u16(blk[:, :, None] + 6 + 2 * j[None, None, :])
+    e = 2 * j[None, None, :]
+    w = _j4(_i2f((v & 15) | (((qh >> e) & 1) << 4), 16.0) * d,
+            _i2f(((v >> 8) & 15) | (((qh >> (e + 1)) & 1) << 4), 16.0) * d,
+            _i2f(((v >> 4) & 15) | (((qh >> (e + 16)) & 1) << 4), 16.0) * d,
+            _i2f(((v >> 12) & 15) | (((qh >> (e + 17)) & 1) << 4), 16.0) * d)
+    base = b[:, None] * 32 + 2 * j[None, :]
+    return w, _j4(base, base + 1, base + 16, base + 17)
 
 
 @triton.jit
 def decode_q5_1(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
-    """Q5_1: {fp16 d, m; uint32 qh; qs[16]}, w = d q + m."""
-    blk = rp[:, None] + tl.arange(0, NB)[None, :] * 24
-    qh = _u16(blk + 4) | (_u16(blk + 6) << 16)
-    q = _i2f(_nibbles(blk, 8) | _qh_bits(qh, NB), 0.0)
-    return q * _f16(blk)[:, :, None, None] + _f16(blk + 2)[:, :, None, None], _xo_32(NB)
+    """Q5_1: {fp16 d, m; uint32 qh; qs[16]}, w = d q + m; qh and qs are 4-byte aligned (24-byte blocks): int32
+    words. [BN, NB, 4, 2, 2 = byte, 2 = nibble]."""
+    b = tl.arange(0, NB)
+    k = tl.arange(0, 4)
+    blk = rp[:, None] + b[None, :] * 24
+    d = _f16(blk)[:, :, None]
+    m = _f16(blk + 2)[:, :, None]
+    qh = _i32(blk + 4)[:, :, None]
+    v = tl.load((blk + 8).to(tl.pointer_type(tl.int32))[:, :, None] + k[None, None, :])
+    e = 4 * k[None, None, :]
+    lo = _j4(_i2f((v & 15) | (((qh >> e) & 1) << 4), 0.0) * d + m,
+             _i2f(((v >> 8) & 15) | (((qh >> (e + 1)) & 1) << 4), 0.0) * d + m,
+             _i2f(((v >> 16) & 15) | (((qh >> (e + 2)) & 1) << 4), 0.0) * d + m,
+             _i2f(((v >> 24) & 15) | (((qh >> (e + 3)) & 1) << 4), 0.0) * d + m)
+    hi = _j4(_i2f(((v >> 4) & 15) | (((qh >> (e + 16)) & 1) << 4), 0.0) * d + m,
+             _i2f(((v >> 12) & 15) | (((qh >> (e + 17)) & 1) << 4), 0.0) * d + m,
+             _i2f(((v >> 20) & 15) | (((qh >> (e + 18)) & 1) << 4), 0.0) * d + m,
+             _i2f(((v >> 28) & 15) | (((qh >> (e + 19)) & 1) << 4), 0.0) * d + m)
+    base = b[:, None] * 32 + 4 * k[None, :]
+    xl = _j4(base, base + 1, base + 2, base + 3)
+    return tl.join(lo, hi), tl.join(xl, xl + 16)
 
 
 @triton.jit
 def decode_iq4_nl(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
-    """IQ4_NL: Q4_0's layout, but the nibble indexes a 16-value non-linear code (tab, fp32): w = d code[q]."""
-    blk = rp[:, None] + tl.arange(0, NB)[None, :] * 18
-    return tl.load(tab + _nibbles(blk, 2)) * _f16(blk)[:, :, None, None], _xo_32(NB)
+    """IQ4_NL: Q4_0's layout, but the nibble indexes a 16-value non-linear code (tab, fp32): w = d code[q].
+    [BN, NB, 2 = nibble, 16]."""
+    b = tl.arange(0, NB)
+    i = tl.arange(0, 16)
+    nib = tl.arange(0, 2)
+    blk = rp[:, None] + b[None, :] * 18
+    qb = _u8(blk[:, :, None] + 2 + i[None, None, :])
+    q = (qb[:, :, None, :] >> (4 * nib)[None, None, :, None]) & 15
+    xo = b[:, None, None] * 32 + nib[None, :, None] * 16 + i[None, None, :]
+    return tl.load(tab + q) * _f16(blk)[:, :, None, None], xo
 
 
 @triton.jit
 def decode_q2_0(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
     """Q2_0 (ggml type 42): 64 weights {fp16 d; qs[16]}, weight j = bits 2(j%4) of qs[j/4]; w = d (q - 1).
-    [BN, NB, 16 = byte, 4 = plane]."""
+    qs read as 8 uint16, each holding 8 consecutive weights. [BN, NB, 8, 2, 2, 2]."""
     b = tl.arange(0, NB)
-    i = tl.arange(0, 16)
-    sh = tl.arange(0, 4)
+    j = tl.arange(0, 8)
     blk = rp[:, None] + b[None, :] * 18
-    qb = _u8(blk[:, :, None] + 2 + i[None, None, :])
-    q = _i2f((qb[:, :, :, None] >> (2 * sh)[None, None, None, :]) & 3, 1.0)
-    xo = b[:, None, None] * 64 + i[None, :, None] * 4 + sh[None, None, :]
-    return q * _f16(blk)[:, :, None, None], xo
+    v = _u16(blk[:, :, None] + 2 + 2 * j[None, None, :])
+    d = _f16(blk)[:, :, None]
+    w = _j8(_i2f(v & 3, 1.0) * d, _i2f((v >> 2) & 3, 1.0) * d, _i2f((v >> 4) & 3, 1.0) * d,
+            _i2f((v >> 6) & 3, 1.0) * d, _i2f((v >> 8) & 3, 1.0) * d, _i2f((v >> 10) & 3, 1.0) * d,
+            _i2f((v >> 12) & 3, 1.0) * d, _i2f((v >> 14) & 3, 1.0) * d)
+    base = b[:, None] * 64 + 8 * j[None, :]
+    return w, _j8(base, base + 1, base + 2, base + 3, base + 4, base + 5, base + 6, base + 7)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -191,38 +235,52 @@ def _k4_scale_min(sp, s):
 
 
 @triton.jit
-def _k4_parts(rp, qs_off: tl.constexpr):
-    """Shared by Q4_K and Q5_K: the nibble codes [BN, 4 = c, 2 = nibble, 32 = i] of the 128 bytes at rp + qs_off
-    (element 64c + 32 nibble + i, sub-block 2c + nibble), the per-sub-block d*sc and dmin*m [BN, 4, 2], and x
-    offsets."""
-    c = tl.arange(0, 4)
-    nib = tl.arange(0, 2)
-    i = tl.arange(0, 32)
-    qb = _u8(rp[:, None, None] + qs_off + (c[:, None] * 32 + i[None, :])[None, :, :])
-    q = (qb[:, :, None, :] >> (4 * nib)[None, None, :, None]) & 15
-    s = 2 * c[:, None] + nib[None, :]
-    sc, mn = _k4_scale_min(rp + 4, s)
-    dsc = _f16(rp)[:, None, None] * sc
-    dmn = _f16(rp + 2)[:, None, None] * mn
-    xo = c[:, None, None] * 64 + nib[None, :, None] * 32 + i[None, None, :]
-    return q, dsc, dmn, s, xo
+def _k4_scales(rp, c):
+    """d*sc and dmin*m of sub-blocks 2c (low nibbles) and 2c+1 (high) of a Q4_K/Q5_K super-block: four [BN, 4, 1]
+    tiles."""
+    sc_lo, mn_lo = _k4_scale_min(rp + 4, (2 * c)[:, None])
+    sc_hi, mn_hi = _k4_scale_min(rp + 4, (2 * c + 1)[:, None])
+    d = _f16(rp)[:, None, None]
+    dm = _f16(rp + 2)[:, None, None]
+    return d * sc_lo, dm * mn_lo, d * sc_hi, dm * mn_hi
 
 
 @triton.jit
 def decode_q4_k(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
     """Q4_K: {fp16 d, dmin; scales[12]; qs[128]}; 32-byte group c holds sub-block 2c (low nibbles) and 2c+1
-    (high); w = d sc q - dmin m."""
-    q, dsc, dmn, _s, xo = _k4_parts(rp, 16)
-    return _i2f(q, 0.0) * dsc[:, :, :, None] - dmn[:, :, :, None], xo
+    (high); w = d sc q - dmin m. [BN, 4 = c, 32, 2 = nibble]."""
+    c = tl.arange(0, 4)
+    i = tl.arange(0, 32)
+    qb = _u8(rp[:, None, None] + 16 + (c[:, None] * 32 + i[None, :])[None, :, :])
+    sl, ml, sh, mh = _k4_scales(rp, c)
+    base = c[:, None] * 64 + i[None, :]
+    return tl.join(_i2f(qb & 15, 0.0) * sl - ml, _i2f(qb >> 4, 0.0) * sh - mh), tl.join(base, base + 32)
 
 
 @triton.jit
 def decode_q5_k(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
-    """Q5_K: Q4_K plus qh[32] at 16: the 5th bit of sub-block s, element i, is bit s of qh[i]."""
-    q, dsc, dmn, s, xo = _k4_parts(rp, 48)
-    qh = _u8(rp[:, None] + 16 + tl.arange(0, 32)[None, :])
-    q = q | (((qh[:, None, None, :] >> s[None, :, :, None]) & 1) << 4)
-    return _i2f(q, 0.0) * dsc[:, :, :, None] - dmn[:, :, :, None], xo
+    """Q5_K: Q4_K plus qh[32] at 16 (the 5th bit of sub-block s, element i, is bit s of qh[i]); qs at 48. Both
+    are 16-byte aligned in the 176-byte blocks: int32 words, byte j of word k = byte 4k + j.
+    [BN, 4 = c, 8 = k, 2, 2 = byte, 2 = nibble]."""
+    c = tl.arange(0, 4)
+    k = tl.arange(0, 8)
+    v = tl.load((rp + 48).to(tl.pointer_type(tl.int32))[:, None, None] + (c[:, None] * 8 + k[None, :])[None, :, :])
+    qh = tl.load((rp + 16).to(tl.pointer_type(tl.int32))[:, None, None] + k[None, None, :])
+    sl, ml, sh, mh = _k4_scales(rp, c)
+    c2 = 2 * c[None, :, None]
+    h0 = qh >> c2
+    h1 = qh >> (c2 + 1)
+    lo = _j4(_i2f((v & 15) | ((h0 & 1) << 4), 0.0) * sl - ml,
+             _i2f(((v >> 8) & 15) | (((h0 >> 8) & 1) << 4), 0.0) * sl - ml,
+             _i2f(((v >> 16) & 15) | (((h0 >> 16) & 1) << 4), 0.0) * sl - ml,
+             _i2f(((v >> 24) & 15) | (((h0 >> 24) & 1) << 4), 0.0) * sl - ml)
+    hi = _j4(_i2f(((v >> 4) & 15) | ((h1 & 1) << 4), 0.0) * sh - mh,
+             _i2f(((v >> 12) & 15) | (((h1 >> 8) & 1) << 4), 0.0) * sh - mh,
+             _i2f(((v >> 20) & 15) | (((h1 >> 16) & 1) << 4), 0.0) * sh - mh,
+             _i2f(((v >> 28) & 15) | (((h1 >> 24) & 1) << 4), 0.0) * sh - mh)
+    base = c[:, None] * 64 + k[None, :] * 4
+    xl = _j4(base, base + 1, base + 2, base + 3)
+    return tl.join(lo, hi), tl.join(xl, xl + 32)
 
 
 @triton.jit
@@ -299,24 +357,33 @@ def decode_iq4_xs(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
     sl = _u8(rp[:, None] + 4 + (s // 2)[None, :])
     sh = _u16(rp + 2)
     ls = _i2f(((sl >> (4 * (s % 2))[None, :]) & 15) | (((sh[:, None] >> (2 * s)[None, :]) & 3) << 4), 32.0)
-    blk = rp[:, None] + s[None, :] * 16
-    code = tl.load(tab + _nibbles(blk, 8))
-    return code * (ls * _f16(rp)[:, None])[:, :, None, None], _xo_32(8)
+    nib = tl.arange(0, 2)
+    i = tl.arange(0, 16)
+    qb = _u8(rp[:, None, None] + 8 + (s[:, None] * 16 + i[None, :])[None])
+    q = (qb[:, :, None, :] >> (4 * nib)[None, None, :, None]) & 15
+    xo = s[:, None, None] * 32 + nib[None, :, None] * 16 + i[None, None, :]
+    return tl.load(tab + q) * (ls * _f16(rp)[:, None])[:, :, None, None], xo
+
+
+@triton.jit
+def _gbyte(word, sign8, db, SH: tl.constexpr, BIT: tl.constexpr):
+    """Byte SH/8 of grid words `word`, scaled by db, negated where bit BIT of sign8 is set."""
+    v = _i2f((word >> SH) & 255, 0.0) * db
+    return tl.where(((sign8 >> BIT) & 1) != 0, -v, v)
 
 
 @triton.jit
 def _grid8(idx, sign8, db, tab):
     """The 2-bit i-quants' weights: 32 groups of 8, group g = grid row idx[:, g] (2 int32 words of 4 byte values
-    in tab), sign bits sign8[:, g], scale db[:, g]. [BN, 32 = g, 2 = word, 4 = byte], x element 8g + 4w + j."""
+    in tab), sign bits sign8[:, g], scale db[:, g]. [BN, 32, 2, 2, 2], x element 8g + (index within the row)."""
     g = tl.arange(0, 32)
-    w = tl.arange(0, 2)
-    j = tl.arange(0, 4)
-    word = tl.load(tab + idx[:, :, None] * 2 + w[None, None, :])
-    gv = _i2f((word[:, :, :, None] >> (8 * j)[None, None, None, :]) & 255, 0.0)
-    k = (w[:, None] * 4 + j[None, :])[None, None, :, :]
-    v = gv * db[:, :, None, None]
-    w4 = tl.where(((sign8[:, :, None, None] >> k) & 1) != 0, -v, v)
-    return w4, g[:, None, None] * 8 + w[None, :, None] * 4 + j[None, None, :]
+    w0 = tl.load(tab + idx * 2)
+    w1 = tl.load(tab + idx * 2 + 1)
+    w = _j8(_gbyte(w0, sign8, db, 0, 0), _gbyte(w0, sign8, db, 8, 1), _gbyte(w0, sign8, db, 16, 2),
+            _gbyte(w0, sign8, db, 24, 3), _gbyte(w1, sign8, db, 0, 4), _gbyte(w1, sign8, db, 8, 5),
+            _gbyte(w1, sign8, db, 16, 6), _gbyte(w1, sign8, db, 24, 7))
+    base = g * 8
+    return w, _j8(base, base + 1, base + 2, base + 3, base + 4, base + 5, base + 6, base + 7)
 
 
 @triton.jit
@@ -359,14 +426,16 @@ def decode_iq2_s(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def _grid4(word, neg, db):
-    """The 3-bit i-quants' weights: [BN, 8 = sub-block, 8 = grid row, 4 = value]; word = the grid rows (int32 of
-    4 byte values), neg = sign bits, db = sub-block scales; x element 32 ib + 4 p + j."""
+def _grid4(word, sg, db):
+    """The 3-bit i-quants' weights: [BN, 8 = sub-block, 8 = grid row, 2, 2]; word = the grid rows (int32 of
+    4 byte values), sg = their 4 sign bits in bits 0-3, db = sub-block scales [BN, 8, 1]; x element
+    32 ib + 4 p + j."""
     ib = tl.arange(0, 8)
     p = tl.arange(0, 8)
-    j = tl.arange(0, 4)
-    v = _i2f((word[:, :, :, None] >> (8 * j)[None, None, None, :]) & 255, 0.0) * db[:, :, None, None]
-    return tl.where(neg, -v, v), ib[:, None, None] * 32 + p[None, :, None] * 4 + j[None, None, :]
+    w = _j4(_gbyte(word, sg, db, 0, 0), _gbyte(word, sg, db, 8, 1), _gbyte(word, sg, db, 16, 2),
+            _gbyte(word, sg, db, 24, 3))
+    base = ib[:, None] * 32 + p[None, :] * 4
+    return w, _j4(base, base + 1, base + 2, base + 3)
 
 
 @triton.jit
@@ -375,16 +444,13 @@ def decode_iq3_xxs(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
     w = d (0.5 + s) / 2 grid sign."""
     ib = tl.arange(0, 8)
     p = tl.arange(0, 8)
-    j = tl.arange(0, 4)
     idx = _u8(rp[:, None, None] + 2 + (ib[:, None] * 8 + p[None, :])[None])
     word = tl.load(tab + idx)
     ab = rp[:, None] + 66 + (ib * 4)[None, :]
     aux = _u16(ab) | (_u16(ab + 2) << 16)
     sign8 = _ksigns((aux[:, :, None] >> (7 * (p // 2))[None, None, :]) & 127)
-    bit = ((p % 2) * 4)[:, None] + j[None, :]
-    neg = ((sign8[:, :, :, None] >> bit[None, None]) & 1) != 0
-    db = (_f16(rp) * 0.25)[:, None] * _i2f(2 * ((aux >> 28) & 15) + 1, 0.0)
-    return _grid4(word, neg, db)
+    db = ((_f16(rp) * 0.25)[:, None] * _i2f(2 * ((aux >> 28) & 15) + 1, 0.0))[:, :, None]
+    return _grid4(word, sign8 >> ((p % 2) * 4)[None, None, :], db)
 
 
 @triton.jit
@@ -393,14 +459,11 @@ def decode_iq3_s(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
     32 weights)}; w = d (1 + 2 s) grid sign."""
     ib = tl.arange(0, 8)
     p = tl.arange(0, 8)
-    j = tl.arange(0, 4)
     lo = _u8(rp[:, None, None] + 2 + (ib[:, None] * 8 + p[None, :])[None])
     qh = _u8(rp[:, None] + 66 + ib[None, :])
     idx = lo | (((qh[:, :, None] >> p[None, None, :]) & 1) << 8)
     word = tl.load(tab + idx)
     sg = _u8(rp[:, None, None] + 74 + (ib[:, None] * 4 + p[None, :] // 2)[None])
-    bit = ((p % 2) * 4)[:, None] + j[None, :]
-    neg = ((sg[:, :, :, None] >> bit[None, None]) & 1) != 0
     sb = _u8(rp[:, None] + 106 + (ib // 2)[None, :])
-    db = _f16(rp)[:, None] * _i2f(2 * ((sb >> (4 * (ib % 2))[None, :]) & 15) + 1, 0.0)
-    return _grid4(word, neg, db)
+    db = (_f16(rp)[:, None] * _i2f(2 * ((sb >> (4 * (ib % 2))[None, :]) & 15) + 1, 0.0))[:, :, None]
+    return _grid4(word, sg >> ((p % 2) * 4)[None, None, :], db)

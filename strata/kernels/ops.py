@@ -4,8 +4,9 @@
 
 * `linear_triton(x, w, bias)`: y = x W^T (+ b) straight from W's stored rows (ggml blocks of a QuantTensor, or
   the F32/F16/BF16 tensor of a DenseTensor) when x is on a CUDA device, W's bytes already live there and W's
-  type has a kernel. Anything else goes to `linear_ref`, as do inputs of more than `GEMV_MAX_ROWS` rows
-  (prefill): there, dequantizing once on the device and one cuBLAS matmul beats one weight read per 8 rows.
+  type has a kernel. Anything else goes to `linear_ref`, as do inputs of more rows than one launch takes for
+  dense weights and than `GEMV_MAX_ROWS` for quantized ones (prefill): there one cuBLAS matmul (after
+  dequantizing once on the device) beats reading the weights once per 8 rows.
 * `experts_triton(a, top_i, top_w, gate, up, down, linear)`: the routed experts of a MoE layer in three launches
   (gate, up, down over all L*k selected slots) with the expert ids never leaving the device, so a decode step
   can be captured in a CUDA graph. Other inputs go to the reference (`experts_gather`, the capturable twin, while
@@ -22,13 +23,14 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from strata.kernels.gemv import GEMV_TYPE_NAMES, gemv, gemv_experts
+from strata.kernels.gemv import GEMV_TYPE_NAMES, MAX_TOKENS, gemv, gemv_experts
 from strata.model.experts import experts_gather, experts_ref
 from strata.model.ops import Ops, linear_ref
 from strata.weights.tensor import DenseTensor, StoredTensor
 
-GEMV_MAX_ROWS = 64
-"""Rows of x up to which `linear_triton` runs the GEMV (8 rows per launch, each launch reading all of W)."""
+GEMV_MAX_ROWS = 32
+"""Rows of x up to which `linear_triton` runs the GEMV on quantized weights (8 rows per launch, each reading all
+of W); dense weights take it only for what one launch covers (MAX_TOKENS rows)."""
 
 MAX_EXPERT_SLOTS = 64
 """Selected (token, expert) slots up to which `experts_triton` runs the grouped GEMV; each slot reads its expert's
@@ -74,9 +76,11 @@ def linear_blocks(x: torch.Tensor, data: torch.Tensor, kind: str, bias: StoredTe
 def linear_triton(x: torch.Tensor, w: StoredTensor, bias: StoredTensor | None = None) -> torch.Tensor:
     """`Ops.linear`: the GEMV from W's stored rows when it applies (see the module docstring), else
     `linear_ref`."""
-    if x.is_cuda and len(w.shape) == 2 and x.shape[-1] == w.shape[1] and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
+    if x.is_cuda and len(w.shape) == 2 and x.shape[-1] == w.shape[1] and x.shape[-1] > 0:
         raw = stored_rows(w)
-        if raw is not None and raw[0].device == x.device:
+        rows = x.numel() // x.shape[-1]
+        limit = MAX_TOKENS if isinstance(w, DenseTensor) else GEMV_MAX_ROWS
+        if raw is not None and raw[0].device == x.device and rows <= limit:
             return linear_blocks(x, raw[0], raw[1], bias)
     return linear_ref(x, w, bias)
 
