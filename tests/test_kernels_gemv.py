@@ -34,7 +34,8 @@ from strata.kernels import gemv_tables
 from strata.model.experts import experts_ref
 from strata.model.ops import Ops, linear_ref
 from strata.weights import quants
-from strata.weights.tensor import DenseTensor, StoredTensor
+from strata.weights.quant_tensor import QuantTensor
+from strata.weights.tensor import DenseTensor
 
 # A module that imported the kernels before this one did (with the interpreter off) holds compiled-mode functions
 # that cannot run here: rebuild them in interpreter mode.
@@ -189,27 +190,9 @@ def test_type_geometry_matches_quants() -> None:
         assert (q.name, q.block_size, q.type_size) == (t.name, t.block_elems, t.block_bytes)
 
 
-class _Blocks(StoredTensor):
-    """A quantized stored tensor as QuantTensor exposes one: uint8 `data` (*shape[:-1], row_bytes), `kind`."""
-
-    def __init__(self, name: str, data: torch.Tensor, kind: str, shape: tuple[int, ...]):
-        self.name, self.data, self.kind, self.shape = name, data, kind, shape
-
-    def dense(self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
-        flat = self.data.reshape(-1, self.data.shape[-1])
-        return quants.dequantize(flat, G.gemv_type(self.kind).type_id, self.shape[-1], dtype).reshape(self.shape)
-
-    def __getitem__(self, i: int) -> StoredTensor:
-        return _Blocks(f"{self.name}[{i}]", self.data[i], self.kind, self.shape[1:])
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel()
-
-
 def test_linear_blocks_matches_linear_ref() -> None:
     rng = np.random.default_rng(7)
-    w = _Blocks("w", random_blocks("Q4_K", 12, 512, rng), "Q4_K", (12, 512))
+    w = QuantTensor("w", random_blocks("Q4_K", 12, 512, rng), 12, (12, 512))
     bias = DenseTensor("b", torch.randn(12))
     x = torch.randn(2, 3, 512, generator=torch.Generator().manual_seed(7))
     raw = K_OPS.stored_rows(w)
@@ -226,12 +209,12 @@ def test_experts_blocks_matches_reference() -> None:
     """Two tokens x two slots; gate/up Q4_K over H = 256, down Q8_0 over I = 64 (as the model's 640)."""
     rng = np.random.default_rng(8)
     n_exp, h_dim, i_dim = 4, 256, 64
-    gate = _Blocks("g", torch.stack([random_blocks("Q4_K", i_dim, h_dim, rng) for _ in range(n_exp)]), "Q4_K",
-                   (n_exp, i_dim, h_dim))
-    up = _Blocks("u", torch.stack([random_blocks("Q4_K", i_dim, h_dim, rng) for _ in range(n_exp)]), "Q4_K",
-                 (n_exp, i_dim, h_dim))
-    down = _Blocks("d", torch.stack([random_blocks("Q8_0", h_dim, i_dim, rng) for _ in range(n_exp)]), "Q8_0",
-                   (n_exp, h_dim, i_dim))
+    gate = QuantTensor("g", torch.stack([random_blocks("Q4_K", i_dim, h_dim, rng) for _ in range(n_exp)]), 12,
+                       (n_exp, i_dim, h_dim))
+    up = QuantTensor("u", torch.stack([random_blocks("Q4_K", i_dim, h_dim, rng) for _ in range(n_exp)]), 12,
+                     (n_exp, i_dim, h_dim))
+    down = QuantTensor("d", torch.stack([random_blocks("Q8_0", h_dim, i_dim, rng) for _ in range(n_exp)]), 8,
+                       (n_exp, h_dim, i_dim))
     gen = torch.Generator().manual_seed(8)
     a = torch.randn(2, h_dim, generator=gen)
     top_i = torch.tensor([[3, 1], [1, 0]])
