@@ -12,19 +12,26 @@ import torch
 
 from strata.model.ops import Ops
 from strata.weights.schema import Weights
-from strata.weights.tensor import StoredTensor
+from strata.weights.tensor import DenseTensor, StackedTensor, StoredTensor
 
 HOST_RESIDENT = ("ple.table",)
 
 
 def place(w: Weights, device: torch.device | str) -> Weights:
-    """The weight set with every tensor but the host-resident ones moved to `device`."""
+    """The weight set with every tensor but the host-resident ones moved to `device` (expert stacks kept as
+    per-expert parts become one stack there)."""
     device = torch.device(device)
     if device.type == "cpu":
         return w
     moved: dict[str, StoredTensor] = {}
     for name, t in w.tensors.items():
-        moved[name] = t if name.endswith(HOST_RESIDENT) else t.to(device)
+        if name.endswith(HOST_RESIDENT):
+            moved[name] = t
+        elif isinstance(t, StackedTensor) and all(isinstance(p, DenseTensor) for p in t.parts):
+            # Per-expert parts (HF layout) become one device stack, so the expert kernel reads it by id.
+            moved[name] = DenseTensor(name, torch.stack([p.tensor.to(device) for p in t.parts]))
+        else:
+            moved[name] = t.to(device)
     return Weights(w.cfg, moved, w.gdn_value_order, w.source, w.unknown)
 
 
