@@ -141,7 +141,7 @@ class ModelConfig:
         bad = sorted(set(self.layer_types) - {LINEAR, INDEXED})
         if bad:
             fail("layer_types", f"unsupported layer types {bad}; allowed: {LINEAR!r}, {INDEXED!r} "
-                                "(and 'full_attention', read as indexed)")
+                                f"(and {', '.join(map(repr, _INDEXED_ALIASES))}, read as indexed)")
         if self.gdn_gate_act not in ("sigmoid", "silu"):
             fail("output_gate_type", f"(or hidden_act) must be 'sigmoid' or 'silu', got {self.gdn_gate_act!r}")
         if self.hidden_act not in ("silu", "sigmoid"):
@@ -328,7 +328,7 @@ class ModelConfig:
             layer_types = [LINEAR if (i + 1) % interval else INDEXED for i in range(n_layers)]
         if not isinstance(layer_types, list | tuple):
             raise ConfigError(f"invalid config: layer_types: must be a list, got {type(layer_types).__name__}")
-        layer_types = tuple(INDEXED if t == "full_attention" else t for t in layer_types)
+        layer_types = tuple(INDEXED if t in _INDEXED_ALIASES else t for t in layer_types)
         rope = d.get("rope_parameters") or {}
         if not isinstance(rope, dict):
             raise ConfigError("invalid config: rope_parameters: must be an object")
@@ -411,6 +411,10 @@ def ple_multipliers(vocab_size: int, ngram_size: int, ple_index: int, seed: int)
     base = seed + 10007 * ple_index
     return [2 * (splitmix64((base + _GOLDEN * (i + 1)) & _MASK64) % half) + 1 for i in range(ngram_size)]
 
+
+# Spellings of the QSA layer type in released checkpoints ("full_attention") and in earlier versions of the
+# reference (same math, other names: spec 1.3).
+_INDEXED_ALIASES = ("full_attention", "qwen_sparse_attention", "deepseek_sparse_attention")
 
 _HF_DEFAULTS: dict[str, Any] = dict(
     vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,

@@ -38,6 +38,12 @@ def test_qwen4_exp_layout_with_text_config():
     assert ModelConfig.from_hf_dict(raw) == make()
 
 
+@pytest.mark.parametrize("alias", ["qwen_sparse_attention", "deepseek_sparse_attention"])
+def test_older_qsa_spellings_are_read_as_indexed(alias):
+    cfg = make(layer_types=["linear_attention"] * 3 + [alias])
+    assert cfg.layer_types[3] == "indexed_attention"
+
+
 def test_full_attention_is_read_as_indexed_and_interval_default():
     assert make(layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
                 ple_layer_ids=[1]).layer_types[1] == "indexed_attention"
