@@ -16,7 +16,11 @@ from strata.serve.tools import parse_output
 from strata.text.sampling import SamplingParams
 from tests.test_serve_support import Running, chat_llm, serve  # noqa: F401  (fixture)
 
-NO_EOS = {"510": -100}  # keep the random model from ending early, so a long generation stays long
+
+
+def no_eos(llm: LLM) -> dict[str, int]:
+    """A logit_bias that keeps the model from ending early, so a long generation stays long."""
+    return {str(i): -100 for i in llm.tokenizer.eos_ids}
 
 
 def wait_for(predicate, timeout: float = 10.0) -> bool:  # noqa: ANN001
@@ -63,7 +67,7 @@ def test_sixteen_clients_each_get_what_they_get_alone(chat_llm: LLM) -> None:  #
 def test_disconnects_cancel_and_free_the_slot(chat_llm: LLM) -> None:  # noqa: F811
     with serve(chat_llm, ServeOptions(model_name="tiny", max_concurrency=1)) as srv:
         long_request = {"model": "tiny", "prompt": "Go on and on", "max_tokens": 4000, "temperature": 0,
-                        "logit_bias": NO_EOS, "stream": True}
+                        "logit_bias": no_eos(chat_llm), "stream": True}
         # A streaming client reads a little, then hangs up; a second one, queued behind it, hangs up first.
         with httpx.stream("POST", srv.url + "/v1/completions", json=long_request, timeout=30) as first:
             lines = first.iter_lines()

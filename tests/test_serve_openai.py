@@ -184,10 +184,10 @@ def test_tool_choice_none_leaves_tools_out(srv: Running, client: openai.OpenAI, 
                                        tool_choice="required")
 
 
-def test_status_and_metrics(srv: Running) -> None:
+def test_status_and_metrics(srv: Running, chat_llm: LLM) -> None:  # noqa: F811
     headers = {"Authorization": f"Bearer {API_KEY}"}
     status = httpx.get(srv.url + "/v1/status", headers=headers).json()
-    assert status["model"] == "tiny" and status["geometry"]["vocab"] == 512
+    assert status["model"] == "tiny" and status["geometry"]["vocab"] == chat_llm.engine.cfg.vocab_size
     assert status["placement"]["device"] == "cpu" and status["memory"]["process_rss_bytes"] > 0
     assert status["queue"]["slots"] == 1 and status["last_request"]["decode_tokens_per_s"] is not None
     assert status["totals"]["generated_tokens"] > 0

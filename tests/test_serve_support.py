@@ -60,7 +60,6 @@ CHATML = r"""
 """
 
 API_KEY = "test-key-5d1c"
-EOS = 510  # <|im_end|> in the bundled tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -72,15 +71,16 @@ def chat_llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
 
 
 class Script:
-    """The scheduler's steer hook: while `ids` is set, every job emits exactly those tokens, then EOS."""
+    """The scheduler's steer hook: while `ids` is set, every job emits exactly those tokens, then <|im_end|>."""
 
     def __init__(self) -> None:
         self.ids: list[int] | None = None
+        self.eos = -1
 
     def __call__(self, job: object, step: int, logits: torch.Tensor) -> torch.Tensor:
         if self.ids is None:
             return logits
-        target = self.ids[step] if step < len(self.ids) else EOS
+        target = self.ids[step] if step < len(self.ids) else self.eos
         forced = torch.full_like(logits, -1e4)
         forced[target] = 0.0
         return forced
@@ -89,6 +89,8 @@ class Script:
     def text(self, llm: LLM, text: str) -> Iterator[list[int]]:
         """Script `text` (as the tokenizer encodes it) for the requests made inside the block."""
         self.ids = llm.encode(text)
+        self.eos = llm.tokenizer.token_to_id("<|im_end|>")
+        assert self.eos in llm.tokenizer.eos_ids, "the test template ends turns with <|im_end|>, an EOS id"
         try:
             yield self.ids
         finally:

@@ -14,7 +14,8 @@ import pytest
 from strata import LLM, SamplingParams
 from strata.cli.main import main
 from strata.errors import StrataError
-from strata.runtime.engine import Engine
+from strata.runtime.engine import DEFAULT_MODEL, Engine
+from tests.conftest import FIXTURES
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -38,6 +39,13 @@ def fixture_llm(fixtures_dir: Path) -> LLM:
 @pytest.fixture(scope="module")
 def bundled() -> LLM:
     return LLM()
+
+
+def _no_eos_flags() -> list[str]:
+    """--logit-bias flags that ban the bundled model's EOS ids, so a generation runs to its token budget."""
+    from strata.text.tokenizer import Tokenizer
+
+    return [a for i in Tokenizer.from_dir(DEFAULT_MODEL).eos_ids for a in ("--logit-bias", f"{i}=-100")]
 
 
 def _cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
@@ -76,7 +84,7 @@ def test_strata_generate_hello_subprocess() -> None:
 
 def test_cli_generate_text_streams(capsys: pytest.CaptureFixture) -> None:
     # EOS banned, so the random-weight model cannot end before writing something.
-    argv = ["generate", "Hello", "--seed", "1", "--max-tokens", "8", "--logit-bias", "510=-100"]
+    argv = ["generate", "Hello", "--seed", "1", "--max-tokens", "8", *_no_eos_flags()]
     rc, out, err = _cli(capsys, *argv, "-v")
     assert rc == 0 and out.endswith("\n") and out.strip() and "tok/s" in err
     assert _cli(capsys, *argv) == (0, out, "")
@@ -90,7 +98,7 @@ def test_cli_generate_text_streams(capsys: pytest.CaptureFixture) -> None:
     (["--ids", "1,x"], "comma-separated integers"),
     (["--top-p", "2", "hi"], "--top-p must be"),
     (["--logit-bias", "5", "hi"], "ID=BIAS"),
-    (["--chat", "hi"], "no chat template"),
+    (["--model", str(FIXTURES / "hf"), "--chat", "hi"], "no chat template"),
     (["--think", "on", "hi"], "need --chat"),
     (["--chat", "--ids", "1"], "--chat needs a text prompt"),
     (["--ids", "1", "hi"], "exactly one of"),
@@ -147,9 +155,7 @@ def test_api_stream_equals_generate_and_seed_reproduces(bundled: LLM) -> None:
     with pytest.raises(StrataError, match="empty prompt"):
         bundled.generate([])
     with pytest.raises(StrataError, match="outside the vocabulary"):
-        bundled.generate([1, 512])
-    with pytest.raises(StrataError, match="no chat template"):
-        bundled.chat([{"role": "user", "content": "hi"}])
+        bundled.generate([1, bundled.engine.cfg.vocab_size])
 
 
 def test_api_chat_with_template(tmp_path: Path) -> None:
@@ -198,7 +204,7 @@ def test_chat_repl(capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: p
     script = "".join(f"{line}\n" for line in lines)
     monkeypatch.setattr(sys, "stdin", io.StringIO(script))
     rc, out, err = _cli(capsys, "chat", "--chat-template", str(t), "--max-tokens", "4", "--seed", "0",
-                        "--logit-bias", "510=-100")
+                        *_no_eos_flags())
     assert rc == 0, err
     assert "/reset" in out and "(thinking off)" in out and "usage: /think on|off" in out
     assert "(stopped)" in out  # Ctrl-C ended the first answer, the session went on
@@ -213,8 +219,13 @@ def test_chat_repl_eof_and_no_template(capsys: pytest.CaptureFixture, monkeypatc
     monkeypatch.setattr(sys, "stdin", io.StringIO("/think on\nhello\n"))
     rc, out, _ = _cli(capsys, "chat", "--chat-template", str(t), "--max-tokens", "2")
     assert rc == 0 and "no enable_thinking switch" in out
-    rc, _, err = _cli(capsys, "chat")
+    rc, _, err = _cli(capsys, "chat", "--model", str(FIXTURES / "hf"))
     assert rc == 2 and "no chat template" in err
+
+
+def test_chat_without_a_template_is_refused(fixture_llm: LLM) -> None:
+    with pytest.raises(StrataError, match="no chat template"):
+        fixture_llm.chat([{"role": "user", "content": "hi"}])
 
 
 def test_import_strata_is_cheap() -> None:
@@ -227,7 +238,8 @@ def test_import_strata_is_cheap() -> None:
 def test_generation_stops_at_the_context_length() -> None:
     llm = LLM()
     object.__setattr__(llm.engine.cfg, "max_position_embeddings", 10)  # this instance only
-    g = llm.start(list(range(1, 9)), SamplingParams(max_tokens=50, logit_bias={510: -100}, seed=0)).run()
+    no_eos = {i: -100.0 for i in llm.tokenizer.eos_ids}
+    g = llm.start(list(range(1, 9)), SamplingParams(max_tokens=50, logit_bias=no_eos, seed=0)).run()
     # 8 prompt tokens + 2 fed generated tokens fill the 10 positions; the token predicted there is the last.
     assert (len(g.token_ids), g.finish_reason, g.state.length) == (3, "length", 10)
     with pytest.raises(StrataError, match="context is 10"):
