@@ -1,7 +1,7 @@
 # Set-up and the two jobs. `make run` and `make test` each create .venv/ on first use.
 VENV   := .venv
 PIP    := $(VENV)/bin/pip
-PROMPT ?= Hello
+PROMPT ?= def fibonacci(n):
 # On a machine without a GPU, torch==2.13.0 is the CPU build from local disk (no multi-GB CUDA download).
 # On a CUDA machine: make TORCH="torch --index-url https://download.pytorch.org/whl/cu128" run
 TORCH  ?= torch==2.13.0
