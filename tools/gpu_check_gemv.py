@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from strata.kernels import gemv as G
+from strata.runtime.bench import copy_bandwidth
 from strata.weights import quants
 
 K_MODEL, N_MAT = 2560, 8192  # hidden size; a typical projection height
@@ -167,24 +168,6 @@ def bench_type(name: str, gen: torch.Generator, tiles: list[tuple[int | None, in
     return out
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy rate, (read + write) bytes per second, of a 2 GiB buffer (median of 10)."""
-    n = 1 << 31
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return 2 * n / statistics.median(times)
-
-
 def _warm(names: list[str], tiles: list[tuple[int | None, int | None]]) -> None:
     """Compile every kernel variant the run will use (same shapes, so the same specialisations), small banks."""
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -239,7 +222,7 @@ def main() -> int:
     t_compile = time.time() - t0
     G.prepare("cuda")
     gen = torch.Generator(device="cuda").manual_seed(1234)
-    copy_bps = copy_bandwidth()
+    copy_bps = copy_bandwidth(torch.device("cuda"))
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "triton": __import__("triton").__version__, "copy_GBps": copy_bps / 1e9, "tol": TOL,
                     "precompile_s": t_compile, "types": {}}
