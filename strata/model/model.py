@@ -17,7 +17,7 @@ from strata.model.hyper import hc_read, hc_write
 from strata.model.moe import moe_layer
 from strata.model.ops import Ops
 from strata.model.ple import ple_embedding, ple_layer
-from strata.model.qsa import qsa_layer
+from strata.model.qsa import Rope, qsa_layer
 from strata.runtime.state import SequenceState
 from strata.weights.schema import Weights
 
@@ -63,6 +63,8 @@ class Model:
         cfg, w, ops = self.cfg, self.w, self.ops
         S, eps = cfg.hc_count, cfg.rms_norm_eps
         x = ops.embed(inputs.ids, w["embed"], self.dtype).repeat(1, S)
+        has_qsa = not all(cfg.is_linear(i) for i in range(cfg.num_hidden_layers))
+        rope = Rope.at(inputs.positions, cfg, self.dtype) if has_qsa else None  # once, for every QSA layer
         for i in range(cfg.num_hidden_layers):
             if i in inputs.ple:
                 x = x + ple_layer(x, inputs.ple[i], w, i, cfg, state.ple[i], ops)
@@ -70,7 +72,7 @@ class Model:
             if cfg.is_linear(i):
                 y = gdn_layer(a, w, i, cfg, state.layers[i], ops)
             else:
-                y = qsa_layer(a, inputs.positions, inputs.n_keys, w, i, cfg, state.layers[i], ops, static)
+                y = qsa_layer(a, inputs.positions, rope, inputs.n_keys, w, i, cfg, state.layers[i], ops, static)
             x = hc_write(x, inject, y)
             a, inject = hc_read(x, w, f"L{i}.hc_ffn", S, eps, ops)
             x = hc_write(x, inject, moe_layer(a, w, i, cfg, ops))

@@ -11,6 +11,7 @@ so the same code runs inside a captured CUDA graph.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,28 +45,45 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([xr * cos + rot * sin, xp], dim=-1)
 
 
-def pool_blocks(raw: torch.Tensor, starts: torch.Tensor, norm: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """Pooled block keys: fp32 mean of c raw keys, cast, k_layernorm, RoPE at the block's first position.
-    raw (n, c, Di), starts (n,) -> (n, Di)."""
+@dataclass
+class Rope:
+    """The RoPE tables of one call, shared by every QSA layer: cos/sin (L, r) at the call's positions and at
+    the first position of the block each of them lies in (where a completing block's pooled key rotates)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    block_cos: torch.Tensor
+    block_sin: torch.Tensor
+
+    @classmethod
+    def at(cls, positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype) -> Rope:
+        c = cfg.indexer_compress_ratio
+        return cls(*rope_tables(positions, cfg, dtype), *rope_tables(positions // c * c, cfg, dtype))
+
+
+def pool_blocks(raw: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: torch.Tensor, cfg: ModelConfig,
+                ) -> torch.Tensor:
+    """Pooled block keys: fp32 mean of c raw keys, cast, k_layernorm, RoPE at the block's first position
+    (`cos`/`sin` of that position). raw (n, c, Di) -> (n, Di)."""
     pooled = rms_norm(raw.float().mean(1).to(raw.dtype), norm, cfg.rms_norm_eps)
-    cos, sin = rope_tables(starts, cfg, raw.dtype)
     return apply_rope(pooled.unsqueeze(1), cos, sin).squeeze(1)
 
 
-def update_blocks(state: QSAState, positions: torch.Tensor, norm: torch.Tensor, cfg: ModelConfig,
+def update_blocks(state: QSAState, positions: torch.Tensor, rope: Rope, norm: torch.Tensor, cfg: ModelConfig,
                   static: bool) -> None:
     """Pool every block that completes at one of `positions` (position p completes block p // c when
     (p + 1) % c == 0), reading raw keys already written. `static` keeps shapes data-independent (compute for
     every position, write only where a block completes) for a captured step."""
     c = cfg.indexer_compress_ratio
     done = (positions + 1) % c == 0
+    cos, sin = rope.block_cos, rope.block_sin
     if not static:
-        positions = positions[done]
+        positions, cos, sin = positions[done], cos[done], sin[done]
         if positions.numel() == 0:
             return
     blocks = positions // c
     rows = blocks[:, None] * c + torch.arange(c, device=positions.device)
-    pooled = pool_blocks(state.idx_raw[rows], blocks * c, norm, cfg)
+    pooled = pool_blocks(state.idx_raw[rows], cos, sin, norm, cfg)
     if static:
         pooled = torch.where(done[:, None], pooled, state.idx_blocks[blocks])
     state.idx_blocks.index_copy_(0, blocks, pooled)
@@ -99,24 +117,24 @@ def select_tokens(q_idx: torch.Tensor, blocks: torch.Tensor, positions: torch.Te
     return torch.cat([chosen, tail], 1), torch.cat([chosen_ok, tail_ok], 1)
 
 
-def qsa_layer(a: torch.Tensor, positions: torch.Tensor, n_keys: int, w: Weights, layer: int, cfg: ModelConfig,
-              state: QSAState, ops: Ops, static: bool = False) -> torch.Tensor:
+def qsa_layer(a: torch.Tensor, positions: torch.Tensor, rope: Rope, n_keys: int, w: Weights, layer: int,
+              cfg: ModelConfig, state: QSAState, ops: Ops, static: bool = False) -> torch.Tensor:
     """One QSA mixer over L tokens at `positions` (continuing the cache); `n_keys` bounds the positions any
     query can see (the state's capacity in a captured step). Writes this call's rows into `state`."""
     p = f"L{layer}."
-    dt, dev = a.dtype, a.device
+    dev = a.device
     L = a.shape[0]
     hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     hi, di, c = cfg.indexer_n_heads, cfg.indexer_head_dim, cfg.indexer_compress_ratio
     eps = cfg.rms_norm_eps
     state.reserve(n_keys)
-    cos, sin = rope_tables(positions, cfg, dt)
+    cos, sin = rope.cos, rope.sin
 
     # Indexer: raw keys cached; pooled keys for every block this call completes; selection.
     qi = ops.linear(a, w[p + "idx.q"]).reshape(L, hi, di)
     qi = apply_rope(rms_norm(qi, w[p + "idx.q_norm"].dense(torch.float32, dev), eps), cos, sin)
     state.idx_raw.index_copy_(0, positions, ops.linear(a, w[p + "idx.k"]))
-    update_blocks(state, positions, w[p + "idx.k_norm"].dense(torch.float32, dev), cfg, static)
+    update_blocks(state, positions, rope, w[p + "idx.k_norm"].dense(torch.float32, dev), cfg, static)
     idx, ok = ops.select_tokens(qi, state.idx_blocks[: n_keys // c], positions, cfg)
 
     # Main attention over the selected rows.
