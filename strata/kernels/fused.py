@@ -3,8 +3,9 @@
 Each installed entry keeps the reference's signature and decides per call: the kernel when the inputs live on a
 CUDA device (or when `force` is set, which is how the CPU tests run the kernels under TRITON_INTERPRET=1) and
 the shape case is one the kernel handles (one token for GDN and the hyper-connection read, a few queries for
-attention), else the entry it replaces in `base`. So prefill, quantized weights and CPU runs keep the reference
-math, and a captured decode step gets the kernels without the model knowing.
+attention, a few tokens for the MoE routing and combine), else the entry it replaces in `base`. So prefill,
+quantized weights and CPU runs keep the reference math, and a captured decode step gets the kernels without the
+model knowing.
 
 The indexer selection entry (`select_tokens`) is replaced when it holds the reference function.
 """
@@ -17,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from strata.config import ModelConfig
-from strata.kernels import attention, gdn, hyper
+from strata.kernels import attention, gdn, hyper, moe
 from strata.model.gdn import GDNParams
 from strata.model.ops import Ops
 from strata.model.qsa import select_tokens as select_tokens_ref
@@ -66,6 +67,28 @@ def make_hc_read(fallback: Callable, force: bool = False) -> Callable:
     return hc_read
 
 
+def make_route(fallback: Callable, force: bool = False) -> Callable:
+    """route entry: the one-launch softmax/top-k/renormalise for a few tokens, else `fallback`."""
+
+    def route(logits: torch.Tensor, k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if _on_device(logits, force) and moe.route_supported(logits, k):
+            return moe.route(logits, k, norm_topk_prob)
+        return fallback(logits, k, norm_topk_prob)
+
+    return route
+
+
+def make_moe_combine(fallback: Callable, force: bool = False) -> Callable:
+    """moe_combine entry: routed + sigmoid(gate) * shared in one launch for a few tokens, else `fallback`."""
+
+    def moe_combine(routed: torch.Tensor, gate_logit: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        if _on_device(routed, force) and moe.combine_supported(routed, gate_logit, shared):
+            return moe.moe_combine(routed, gate_logit, shared)
+        return fallback(routed, gate_logit, shared)
+
+    return moe_combine
+
+
 def make_select_tokens(fallback: Callable, force: bool = False) -> Callable:
     """Indexer selection: kernel block scores for a few queries, else `fallback`."""
 
@@ -85,6 +108,8 @@ def fused_ops(base: Ops, force: bool = False) -> Ops:
         "gdn_core": make_gdn_core(base.gdn_core, force),
         "attend": make_attend(base.attend, force),
         "hc_read": make_hc_read(base.hc_read, force),
+        "route": make_route(base.route, force),
+        "moe_combine": make_moe_combine(base.moe_combine, force),
     }
     for f in dataclasses.fields(base):
         if getattr(base, f.name) is select_tokens_ref:

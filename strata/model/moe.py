@@ -2,25 +2,39 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from strata.config import ModelConfig
 from strata.model import topk
-from strata.model.ops import Ops
 from strata.weights.schema import Weights
+
+if TYPE_CHECKING:  # ops.py imports the references below
+    from strata.model.ops import Ops
+
+
+def route_ref(logits: torch.Tensor, k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits (L, E) -> (expert ids (L, k) int64, weights (L, k) in the logits' dtype): softmax over all
+    experts in fp32, the k largest (largest first), renormalised to sum 1 when `norm_topk_prob`."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    top_w, top_i = topk.select(probs, k)
+    if norm_topk_prob:
+        top_w = top_w / top_w.sum(-1, keepdim=True)
+    return top_i, top_w.to(logits.dtype)
+
+
+def moe_combine_ref(routed: torch.Tensor, gate_logit: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """routed (L, H) + sigmoid(gate_logit (L, 1)) * shared (L, H), in the model dtype."""
+    return routed + torch.sigmoid(gate_logit) * shared
 
 
 def route(a: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, ops: Ops,
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over all experts (fp32), top-k, renormalise; weights cast to the model dtype.
-    Returns (expert ids (L, k), weights (L, k))."""
+    """Router linear, then `ops.route`. Returns (expert ids (L, k), weights (L, k) in a's dtype)."""
     logits = ops.linear(a, w[f"L{layer}.moe.router"])
-    probs = torch.softmax(logits.float(), dim=-1)
-    top_w, top_i = topk.select(probs, cfg.num_experts_per_tok)
-    if cfg.norm_topk_prob:
-        top_w = top_w / top_w.sum(-1, keepdim=True)
-    return top_i, top_w.to(a.dtype)
+    return ops.route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
 
 
 def expert_mlp(x: torch.Tensor, gate: object, up: object, down: object, ops: Ops) -> torch.Tensor:
@@ -34,4 +48,4 @@ def moe_layer(a: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, ops: Op
     top_i, top_w = route(a, w, layer, cfg, ops)
     routed = ops.experts(a, top_i, top_w, w[p + "gate_exps"], w[p + "up_exps"], w[p + "down_exps"], ops.linear)
     shared = expert_mlp(a, w[p + "sh_gate"], w[p + "sh_up"], w[p + "sh_down"], ops)
-    return routed + torch.sigmoid(ops.linear(a, w[p + "sh_gate_inp"])) * shared
+    return ops.moe_combine(routed, ops.linear(a, w[p + "sh_gate_inp"]), shared)
