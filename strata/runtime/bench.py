@@ -9,6 +9,7 @@ token (CUDA events, median of several runs), and the per-stage table times each 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import statistics
@@ -87,6 +88,10 @@ class StageTimes:
     _layer_kind: str = "-"
 
 
+_OP_STAGES = {"attend": "qsa.attend", "select_tokens": "qsa.select", "gdn_core": "gdn.core", "hc_read": "hc",
+              "route": "router", "moe_combine": "shared", "norm_rope": "qsa.norm_rope"}
+
+
 def _stage_of_linear(name: str) -> str:
     role = role_of(re.sub(r"\[.*\]$", "", name))
     return {"hyper-connections": "hc", "gdn": "gdn.proj", "qsa": "qsa.proj", "router": "router",
@@ -133,14 +138,14 @@ def timed_ops(base: Ops, cfg: ModelConfig, times: StageTimes, replays: int = 20)
             return out
         return call
 
-    return Ops(
-        linear=wrap(base.linear, lambda args: _stage_of_linear(args[1].name)),
-        embed=wrap(base.embed, "embed"),
-        attend=wrap(base.attend, "qsa.attend"),
-        experts=wrap(base.experts, "experts"),
-        gdn_core=wrap(base.gdn_core, "gdn.core"),
-        hc_read=wrap(base.hc_read, "hc"),
-    )
+    entries = {}
+    for f in dataclasses.fields(base):
+        fn = getattr(base, f.name)
+        if f.name == "linear":
+            entries[f.name] = wrap(fn, lambda args: _stage_of_linear(args[1].name))
+        else:
+            entries[f.name] = wrap(fn, _OP_STAGES.get(f.name, f.name))
+    return Ops(**entries)
 
 
 def git_commit() -> str:
