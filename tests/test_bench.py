@@ -1,0 +1,58 @@
+"""The parts of `strata bench` that need no GPU: the floor's byte count, the synthetic real-geometry weights and
+the stage-timing op table (the timing itself runs on the device box; see bench/results/)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from strata.model.ops import Ops
+from strata.runtime import bench
+from strata.runtime.engine import load_weights
+from strata.runtime.synthetic import TypeMix, real_config, synthetic_weights
+from strata.weights.inventory import inventory
+
+
+def test_token_bytes_adds_state_and_cache_traffic(fixtures_dir):
+    w = load_weights(fixtures_dir / "tiny-MIXED.gguf")
+    short, long = bench.token_bytes(w, 8), bench.token_bytes(w, 4096)
+    assert short["weights"] == long["weights"] == inventory(w).bytes_per_token
+    cfg = w.cfg
+    assert short["gdn_state"] == 3 * cfg.linear_num_value_heads * cfg.linear_key_head_dim ** 2 * 4 * 2
+    assert long["qsa_cache"] > short["qsa_cache"] > 0  # selected rows saturate at B + c - 1, pooled keys grow
+    assert long["total"] == long["weights"] + long["gdn_state"] + long["qsa_cache"]
+
+
+def test_synthetic_weights_have_the_stated_types_and_run():
+    cfg = real_config(num_hidden_layers=4, hidden_size=256, vocab_size=1024, num_experts=16,
+                      moe_intermediate_size=256, shared_expert_intermediate_size=256, linear_num_key_heads=2,
+                      linear_num_value_heads=4, num_attention_heads=4, head_dim=256, ple_embed_dim=256,
+                      heads_per_ngram=2, ngram_vocab_size_base=1000, indexer_budget=64, eos_token_id=1,
+                      hc_lowrank=32)
+    mix = TypeMix()
+    w = synthetic_weights(cfg, mix, "cpu")
+    w.check()
+    assert w["L0.moe.gate_exps"].kind == "Q4_K" and w["L0.moe.down_exps"].kind == "Q5_1"
+    assert w["L3.attn.q"].kind == "Q8_0" and w["L0.hc_attn.up"].kind == "BF16" and w["head"].kind == "Q6_K"
+    assert w["L0.moe.router"].kind == "F32" and w["L0.gdn.A"].kind == "F32"
+    from strata.model.model import Model
+
+    with torch.inference_mode():
+        logits = Model(w).forward(torch.arange(2, 12), Model(w).new_state())
+    assert torch.isfinite(logits).all()
+
+
+def test_timed_ops_wraps_every_entry():
+    wrapped = bench.timed_ops(Ops(), real_config(), bench.StageTimes())
+    for f in dataclasses.fields(Ops):
+        assert getattr(wrapped, f.name) is not getattr(Ops(), f.name), f.name
+
+
+def test_format_table():
+    report = {"gpu": "X", "copy_bandwidth_bytes_per_s": 4e12, "model": "m", "ops": "triton", "type_mix": "t",
+              "decode": [{"context": 4096, "ms_per_token": 2.0, "tok_per_s": 500.0, "wall_ms_per_token": 2.1,
+                          "bytes_per_token": {"total": 6e9}, "floor_ms": 1.5, "fraction_of_floor": 0.75,
+                          "stages_ms": {"experts": {"gdn": 0.5, "qsa": 0.2}}, "stages_sum_ms": 0.7}]}
+    text = bench.format_table(report)
+    assert "75.0%" in text and "experts" in text
