@@ -19,6 +19,7 @@ import torch
 
 from strata.config import ModelConfig
 from strata.kernels import attention, gdn, hyper, moe
+from strata.kernels import norm_rope as norm_rope_kernel
 from strata.model.gdn import GDNParams
 from strata.model.ops import Ops
 from strata.model.qsa import select_tokens as select_tokens_ref
@@ -101,6 +102,18 @@ def make_select_tokens(fallback: Callable, force: bool = False) -> Callable:
     return select_tokens
 
 
+def make_norm_rope(fallback: Callable, force: bool = False) -> Callable:
+    """norm_rope entry: per-head RMSNorm + RoPE in one launch, else `fallback`."""
+
+    def norm_rope(x: torch.Tensor, scale: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                  ) -> torch.Tensor:
+        if _on_device(x, force) and norm_rope_kernel.supported(x, scale, cos):
+            return norm_rope_kernel.norm_rope(x, scale, cos, sin, eps)
+        return fallback(x, scale, cos, sin, eps)
+
+    return norm_rope
+
+
 def fused_ops(base: Ops, force: bool = False) -> Ops:
     """`base` with the fused entries installed (each falling back to what `base` had). `force` runs the
     kernels on any device (CPU tensors need TRITON_INTERPRET=1); without it they run only on CUDA tensors."""
@@ -108,6 +121,7 @@ def fused_ops(base: Ops, force: bool = False) -> Ops:
         "gdn_core": make_gdn_core(base.gdn_core, force),
         "attend": make_attend(base.attend, force),
         "hc_read": make_hc_read(base.hc_read, force),
+        "norm_rope": make_norm_rope(base.norm_rope, force),
         "route": make_route(base.route, force),
         "moe_combine": make_moe_combine(base.moe_combine, force),
     }

@@ -18,7 +18,7 @@ from strata.model.experts import experts_ref
 from strata.model.gdn import gdn_core_ref
 from strata.model.hyper import hc_read_ref
 from strata.model.moe import moe_combine_ref, route_ref
-from strata.model.qsa import select_tokens
+from strata.model.qsa import norm_rope_ref, select_tokens
 from strata.weights.tensor import StoredTensor
 
 
@@ -44,5 +44,6 @@ class Ops:
     gdn_core: Callable = gdn_core_ref  # (x, z, b, alpha, GDNParams, GDNState, cfg) -> (L, nv*dv)
     select_tokens: Callable = select_tokens  # (q_idx, blocks, positions, cfg) -> (idx, ok)
     hc_read: Callable = hc_read_ref  # (x, norm, down, up, inject|None, S, eps, linear) -> (a, inject weights)
+    norm_rope: Callable = norm_rope_ref  # (x (L, heads, d), scale (d,) fp32, cos, sin (L, r), eps) -> (L, heads, d)
     route: Callable = route_ref  # (logits (L, E), k, norm_topk_prob) -> (top_i (L, k) int64, top_w (L, k))
     moe_combine: Callable = moe_combine_ref  # (routed, gate_logit (L, 1), shared) -> (L, H)

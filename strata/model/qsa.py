@@ -11,6 +11,7 @@ so the same code runs inside a captured CUDA graph.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([xr * cos + rot * sin, xp], dim=-1)
 
 
+def norm_rope_ref(x: torch.Tensor, scale: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                  ) -> torch.Tensor:
+    """Per-head RMSNorm then RoPE: x (L, heads, d) model dtype, scale (d,) fp32, cos/sin (L, r) -> (L, heads, d).
+    The norm's statistics and scale multiply are fp32, cast to x's dtype; the rotation is in x's dtype."""
+    return apply_rope(rms_norm(x, scale, eps), cos, sin)
+
+
 @dataclass
 class Rope:
     """The RoPE tables of one call, shared by every QSA layer: cos/sin (L, r) at the call's positions and at
@@ -62,15 +70,15 @@ class Rope:
 
 
 def pool_blocks(raw: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: torch.Tensor, cfg: ModelConfig,
-                ) -> torch.Tensor:
+                norm_rope: Callable = norm_rope_ref) -> torch.Tensor:
     """Pooled block keys: fp32 mean of c raw keys, cast, k_layernorm, RoPE at the block's first position
-    (`cos`/`sin` of that position). raw (n, c, Di) -> (n, Di)."""
-    pooled = rms_norm(raw.float().mean(1).to(raw.dtype), norm, cfg.rms_norm_eps)
-    return apply_rope(pooled.unsqueeze(1), cos, sin).squeeze(1)
+    (`cos`/`sin` of that position). raw (n, c, Di) -> (n, Di). `norm_rope` is the op table's entry."""
+    pooled = raw.float().mean(1).to(raw.dtype)
+    return norm_rope(pooled.unsqueeze(1), norm, cos, sin, cfg.rms_norm_eps).squeeze(1)
 
 
 def update_blocks(state: QSAState, positions: torch.Tensor, rope: Rope, norm: torch.Tensor, cfg: ModelConfig,
-                  static: bool) -> None:
+                  static: bool, norm_rope: Callable = norm_rope_ref) -> None:
     """Pool every block that completes at one of `positions` (position p completes block p // c when
     (p + 1) % c == 0), reading raw keys already written. `static` keeps shapes data-independent (compute for
     every position, write only where a block completes) for a captured step."""
@@ -83,7 +91,7 @@ def update_blocks(state: QSAState, positions: torch.Tensor, rope: Rope, norm: to
             return
     blocks = positions // c
     rows = blocks[:, None] * c + torch.arange(c, device=positions.device)
-    pooled = pool_blocks(state.idx_raw[rows], cos, sin, norm, cfg)
+    pooled = pool_blocks(state.idx_raw[rows], cos, sin, norm, cfg, norm_rope)
     if static:
         pooled = torch.where(done[:, None], pooled, state.idx_blocks[blocks])
     state.idx_blocks.index_copy_(0, blocks, pooled)
@@ -132,17 +140,18 @@ def qsa_layer(a: torch.Tensor, positions: torch.Tensor, rope: Rope, n_keys: int,
 
     # Indexer: raw keys cached; pooled keys for every block this call completes; selection.
     qi = ops.linear(a, w[p + "idx.q"]).reshape(L, hi, di)
-    qi = apply_rope(rms_norm(qi, w[p + "idx.q_norm"].dense(torch.float32, dev), eps), cos, sin)
+    qi = ops.norm_rope(qi, w[p + "idx.q_norm"].dense(torch.float32, dev), cos, sin, eps)
     state.idx_raw.index_copy_(0, positions, ops.linear(a, w[p + "idx.k"]))
-    update_blocks(state, positions, rope, w[p + "idx.k_norm"].dense(torch.float32, dev), cfg, static)
+    update_blocks(state, positions, rope, w[p + "idx.k_norm"].dense(torch.float32, dev), cfg, static,
+                  ops.norm_rope)
     idx, ok = ops.select_tokens(qi, state.idx_blocks[: n_keys // c], positions, cfg)
 
     # Main attention over the selected rows.
     qg = ops.linear(a, w[p + "attn.q"], w.get(p + "attn.q_bias")).reshape(L, hq, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:].reshape(L, hq * hd)
-    q = apply_rope(rms_norm(q, w[p + "attn.q_norm"].dense(torch.float32, dev), eps), cos, sin)
+    q = ops.norm_rope(q, w[p + "attn.q_norm"].dense(torch.float32, dev), cos, sin, eps)
     k = ops.linear(a, w[p + "attn.k"], w.get(p + "attn.k_bias")).reshape(L, hkv, hd)
-    k = apply_rope(rms_norm(k, w[p + "attn.k_norm"].dense(torch.float32, dev), eps), cos, sin)
+    k = ops.norm_rope(k, w[p + "attn.k_norm"].dense(torch.float32, dev), cos, sin, eps)
     v = ops.linear(a, w[p + "attn.v"], w.get(p + "attn.v_bias")).reshape(L, hkv, hd)
     state.k.index_copy_(0, positions, k)
     state.v.index_copy_(0, positions, v)

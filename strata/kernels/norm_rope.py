@@ -1,0 +1,80 @@
+"""Fused RMSNorm + RoPE for one call's heads: the twin of `strata.model.qsa.norm_rope_ref`.
+
+Every QSA layer normalises and rotates its indexer query heads, query heads, key heads and (when a block
+completes) pooled block keys; the reference spends ~14 small kernels on each. Here it is one launch with one
+program per (token, head) row: load the d values, fp32 mean square, multiply by rsqrt and the fp32 scale, cast
+to the model dtype (where the reference's rms_norm rounds), then rotate the first r dims NeoX style (pairs i
+and i + r/2) with the products and their sum in fp32 of the rounded operands, rounded once per output. In fp32
+that is the reference's math; in bf16 the reference rounds each product and the sum, so results differ from
+it by at most about one bf16 ulp.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _round(v, DT: tl.constexpr):
+    """fp32 -> DT, round to nearest even, returned as fp32. bf16 rounds by hand (finite values): Triton's
+    interpreter truncates fp32 -> bf16 casts, and the GPU's cast gives the same bits as this."""
+    if DT == tl.bfloat16:
+        b = v.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True)
+    else:
+        return v.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, scale_ptr, cos_ptr, sin_ptr, out_ptr, HEADS, sxl, sxh, scl, ssl, eps,
+                      D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr):
+    row = tl.program_id(0)
+    l = row // HEADS
+    h = row % HEADS
+    d = tl.arange(0, BD)
+    dm = d < D
+    base = x_ptr + l * sxl + h * sxh
+    x = tl.load(base + d, mask=dm, other=0.0).to(tl.float32)
+    rs = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    w = tl.load(scale_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    y = _round(x * rs * w, DT)
+    # NeoX rotate-half partner of each of the first R dims, normalised the same way (same fp32 ops, same value)
+    HALF: tl.constexpr = R // 2
+    rm = d < R
+    pd = tl.where(d < HALF, d + HALF, d - HALF)
+    xp = tl.load(base + pd, mask=rm, other=0.0).to(tl.float32)
+    wp = tl.load(scale_ptr + pd, mask=rm, other=0.0).to(tl.float32)
+    yp = _round(xp * rs * wp, DT)
+    yp = tl.where(d < HALF, -yp, yp)
+    c = tl.load(cos_ptr + l * scl + d, mask=rm, other=1.0).to(tl.float32)
+    s = tl.load(sin_ptr + l * ssl + d, mask=rm, other=0.0).to(tl.float32)
+    out = tl.where(rm, y * c + yp * s, y)
+    tl.store(out_ptr + row * D + d, _round(out, DT).to(DT), mask=dm)
+
+
+def supported(x: torch.Tensor, scale: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Shapes and layouts the kernel handles: (L, heads, d) with unit last stride, even r <= d."""
+    r = cos.shape[-1]
+    return (x.dim() == 3 and x.dtype in TL_DTYPES and x.stride(-1) == 1 and r % 2 == 0 and r <= x.shape[-1]
+            and scale.dtype == torch.float32 and scale.is_contiguous() and cos.stride(-1) == 1)
+
+
+def norm_rope(x: torch.Tensor, scale: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+              ) -> torch.Tensor:
+    """apply_rope(rms_norm(x, scale, eps), cos, sin) in one launch. x (L, heads, d); cos/sin (L, r)."""
+    L, heads, d = x.shape
+    r = cos.shape[-1]
+    out = torch.empty((L, heads, d), dtype=x.dtype, device=x.device)
+    if L * heads == 0:
+        return out
+    if sin.stride(-1) != 1:
+        sin = sin.contiguous()
+    _norm_rope_kernel[(L * heads,)](x, scale, cos, sin, out, heads, x.stride(0), x.stride(1), cos.stride(0),
+                                    sin.stride(0), eps, D=d, R=r, BD=triton.next_power_of_2(d),
+                                    DT=TL_DTYPES[x.dtype])
+    return out

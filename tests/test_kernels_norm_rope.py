@@ -1,0 +1,136 @@
+"""The fused RMSNorm + RoPE kernel equals `norm_rope_ref` (run on the CPU by Triton's interpreter).
+
+fp32: the kernel computes the reference's math with the same roundings; only the mean square's summation order
+differs, so results agree to 1e-6 relative to the largest value. bf16: the kernel rounds the normalised value
+where the reference does, then does the rotation in fp32 of the rounded operands and rounds once per output,
+while the reference rounds each product and their sum in bf16; so it matches the reference to 1 bf16 ulp of the
+row's largest value (and the single-rounding rotation of the reference's own normalised values but for the rare
+normalised value that the mean square's summation order moves across a bf16 rounding boundary).
+(The kernel rounds fp32 -> bf16 to nearest even by hand, so the interpreter's truncating cast never enters.)
+
+Triton must be importable: a missing Triton is an error here, never a skip.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: run the kernels on the CPU
+
+import pytest
+import torch
+import triton  # noqa: F401  (fails the module when Triton is missing)
+
+from strata.config import ModelConfig
+from strata.kernels import norm_rope
+from strata.kernels.fused import fused_ops
+from strata.model.norms import rms_norm
+from strata.model.ops import Ops
+from strata.model.qsa import apply_rope, norm_rope_ref, rope_tables
+from strata.runtime.engine import Engine
+from strata.runtime.graph import DecodeStep
+from strata.weights.hf import load_hf
+from tests import reference
+
+
+def ulp_bf16(v: torch.Tensor) -> torch.Tensor:
+    v = v.float().abs().clamp_min(2.0 ** -126)
+    return torch.exp2(torch.floor(torch.log2(v)) - 7)
+
+
+def inputs(L, heads, d, r, dtype, seed, strided=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(L, heads, 2 * d if strided else d, generator=g)[..., :d].to(dtype)  # a q-like slice
+    scale = 1 + 0.2 * torch.randn(d, generator=g)
+    ang = torch.rand(L, r, generator=g) * 6
+    return x, scale, ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+# the real geometries' ratios (head d=256 / r=64, indexer d=128 / r=64) at tiny sizes, and odd ones
+SHAPES = [(1, 2, 256, 64), (3, 4, 128, 64), (2, 3, 24, 8), (1, 1, 96, 96), (5, 1, 40, 16)]
+
+
+@pytest.mark.parametrize("L,heads,d,r", SHAPES)
+@pytest.mark.parametrize("strided", [False, True])
+def test_norm_rope_fp32_matches_reference(L, heads, d, r, strided):
+    x, scale, cos, sin = inputs(L, heads, d, r, torch.float32, seed=L * 31 + d, strided=strided)
+    want = norm_rope_ref(x, scale, cos, sin, 1e-6)
+    got = norm_rope.norm_rope(x, scale, cos, sin, 1e-6)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert (got - want).abs().max() <= 1e-6 * max(1.0, float(want.abs().max()))
+
+
+@pytest.mark.parametrize("L,heads,d,r", SHAPES)
+def test_norm_rope_bf16_matches_reference(L, heads, d, r):
+    dt = torch.bfloat16
+    for seed in range(3):
+        x, scale, cos, sin = inputs(L, heads, d, r, dt, seed=seed * 7 + d, strided=seed == 1)
+        want = norm_rope_ref(x, scale, cos, sin, 1e-6)
+        got = norm_rope.norm_rope(x, scale, cos, sin, 1e-6)
+        assert got.dtype == dt and got.shape == want.shape
+        # 1 bf16 ulp of each row's largest value
+        err = (got.float() - want.float()).abs()
+        assert (err <= ulp_bf16(want.float().abs().amax(-1, keepdim=True))).all()
+        # the single-rounding rotation of the reference's normalised values: equal but where the fp32 mean
+        # square's summation order moves a normalised value across a bf16 rounding boundary (1 ulp)
+        y = rms_norm(x, scale, 1e-6)
+        single = apply_rope(y.float(), cos.float(), sin.float()).to(dt)
+        assert (got != single).float().mean() < 0.02
+        assert ((got[..., r:].float() - y[..., r:].float()).abs() <= ulp_bf16(y[..., r:])).all()
+
+
+def test_norm_rope_with_model_tables():
+    cfg = ModelConfig.from_hf_dict(reference.CONFIGS["tiny"])
+    cos, sin = rope_tables(torch.tensor([0, 5, 17]), cfg, torch.float32)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, cfg.num_attention_heads, cfg.head_dim, generator=g)
+    scale = 1 + 0.1 * torch.randn(cfg.head_dim, generator=g)
+    got = norm_rope.norm_rope(x, scale, cos, sin, cfg.rms_norm_eps)
+    assert (got - norm_rope_ref(x, scale, cos, sin, cfg.rms_norm_eps)).abs().max() <= 1e-6 * 4
+
+
+def test_fused_entry_dispatch():
+    x, scale, cos, sin = inputs(2, 2, 24, 8, torch.float32, seed=0)
+    assert fused_ops(Ops()).norm_rope(x, scale, cos, sin, 1e-6).equal(norm_rope_ref(x, scale, cos, sin, 1e-6))
+    forced = fused_ops(Ops(), force=True).norm_rope(x, scale, cos, sin, 1e-6)
+    assert (forced - norm_rope_ref(x, scale, cos, sin, 1e-6)).abs().max() <= 1e-6 * 4
+
+
+@pytest.fixture(scope="module")
+def tiny_weights(tmp_path_factory):
+    return load_hf(reference.save(reference.build("tiny"), tmp_path_factory.mktemp("tiny")))
+
+
+def test_tiny_model_decode_with_fused_norm_rope(tiny_weights):
+    """Prefill, then decode past the dense range, with every fused op installed (norm_rope included, in the
+    QSA layers and the pooled block keys), against the reference path; eager engine and the static step."""
+    ref = Engine(tiny_weights)
+    fast = Engine(tiny_weights, ops=fused_ops(Ops(), force=True))
+    cfg = ref.cfg
+    ids = torch.randint(2, cfg.vocab_size, (3 + cfg.selection_width + 6,),
+                        generator=torch.Generator().manual_seed(3)).tolist()
+    outs = []
+    for engine in (ref, fast):
+        state = engine.new_state()
+        outs.append(torch.stack([engine.prefill(ids[:5], state)] + [engine.decode(t, state) for t in ids[5:]]))
+    want, got = outs
+    assert ((got - want).abs().max() / want.abs().max()) < 1e-5
+    statics = []
+    for engine in (ref, fast):
+        step = DecodeStep(engine.model, capacity=32, capture=False)
+        statics.append(torch.stack([step.prefill(torch.tensor(ids[:5]))] + [step.step(t) for t in ids[5:]]))
+    want, got = (s.float() for s in statics)
+    assert ((got - want).abs().max() / want.abs().max()) < 1e-5
+
+
+def test_norm_rope_only_ops_match_reference(tiny_weights):
+    """Only norm_rope replaced: the decode equals the reference path to fp32 summation order."""
+    ref = Engine(tiny_weights)
+    fast = Engine(tiny_weights, ops=Ops(norm_rope=fused_ops(Ops(), force=True).norm_rope))
+    ids = torch.randint(2, ref.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    outs = []
+    for engine in (ref, fast):
+        state = engine.new_state()
+        outs.append(torch.stack([engine.prefill(ids[:4], state)] + [engine.decode(t, state) for t in ids[4:]]))
+    want, got = outs
+    assert ((got - want).abs().max() / want.abs().max()) < 1e-5
