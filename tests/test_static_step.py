@@ -49,3 +49,35 @@ def test_capacity_is_enforced(engine):
     step.prefill(torch.arange(2, 10))
     with pytest.raises(Exception, match="capacity"):
         step.step(3)
+
+
+def test_engine_graph_mode_decodes_through_the_fixed_step(engine, monkeypatch):
+    """Engine(graphs=True) (the CUDA default) gives fixed-capacity states whose decode runs the captured step
+    (eagerly here, on the CPU), with the same logits as the growing-state path, and refuses past its context.
+    Ids are redrawn until no top-k tie occurs: tied blocks may be ordered differently when the candidate list
+    is capacity-sized (the reference leaves that order undefined)."""
+    from strata.runtime.engine import Engine as E
+    from tests.test_parity import TIE, MarginRecorder
+
+    fixed = E(engine.weights, graphs=True, context=48)
+    cfg = engine.cfg
+    for seed in range(20):
+        ids = torch.randint(2, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(seed)).tolist()
+        rec = MarginRecorder(monkeypatch)
+        st = engine.new_state()
+        engine.prefill(ids[:6], st)
+        for t in ids[6:]:
+            engine.decode(t, st)
+        if rec.min_gap > TIE:
+            break
+    s_ref, s_fix = engine.new_state(), fixed.new_state()
+    assert fixed.max_context == 48 and s_fix.fixed_capacity(48) and not s_ref.fixed_capacity(48)
+    ref = [engine.prefill(ids[:6], s_ref)] + [engine.decode(t, s_ref) for t in ids[6:]]
+    got = [fixed.prefill(ids[:6], s_fix)] + [fixed.decode(t, s_fix) for t in ids[6:]]
+    assert s_fix.decode_step is not None and s_fix.clone().decode_step is None
+    diff = (torch.stack(got) - torch.stack(ref)).abs().max() / torch.stack(ref).abs().max()
+    assert diff < 1e-5
+    for t in range(8):
+        fixed.decode(3, s_fix)
+    with pytest.raises(Exception, match="capacity"):
+        fixed.decode(3, s_fix)

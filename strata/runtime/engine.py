@@ -18,6 +18,7 @@ from strata.weights.schema import Weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "default"
+DEFAULT_CONTEXT = 32768  # positions a fixed-capacity (graph) state holds unless the engine is told otherwise
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -46,8 +47,11 @@ class Engine:
     weights are placed there (the PLE table stays on the host) and the Triton kernels are installed."""
 
     def __init__(self, weights: Weights, dtype: str | torch.dtype = "float32", device: str = "cpu",
-                 ops: Ops | None = None, path: Path | None = None):
+                 ops: Ops | None = None, path: Path | None = None, graphs: bool | None = None,
+                 context: int | None = None):
         self.device = torch.device(device)
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.context = min(context or DEFAULT_CONTEXT, weights.cfg.max_position_embeddings)
         if self.device.type == "cuda":
             from strata.runtime.placement import fast_ops, place
 
@@ -61,12 +65,21 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | Path | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu",
-             ops: Ops | None = None) -> Engine:
+             ops: Ops | None = None, graphs: bool | None = None, context: int | None = None) -> Engine:
         """Load the model at `path` (the bundled default model when None)."""
         path = Path(path) if path is not None else DEFAULT_MODEL
-        return cls(load_weights(path), dtype, device, ops, path)
+        return cls(load_weights(path), dtype, device, ops, path, graphs, context)
+
+    @property
+    def max_context(self) -> int:
+        """Most positions one sequence may hold: the graph states' capacity, else the model's context length."""
+        return self.context if self.graphs else self.cfg.max_position_embeddings
 
     def new_state(self) -> SequenceState:
+        """A fresh sequence. With graphs, its caches are allocated once for `context` positions so that its
+        single-token decode runs as one captured step (on CUDA: a CUDA graph replayed per token)."""
+        if self.graphs:
+            return self.model.new_state(capacity=self.context)
         return self.model.new_state()
 
     def check_ids(self, ids: Sequence[int]) -> torch.Tensor:
@@ -100,6 +113,13 @@ class Engine:
 
     @torch.inference_mode()
     def decode(self, token: int, state: SequenceState) -> torch.Tensor:
-        """One token through the single-token path; float32 logits (V,)."""
+        """One token through the single-token path; float32 logits (V,). A fixed-capacity state (see
+        `new_state`) goes through its captured step, built on its first decode."""
         t = self.check_ids([token])
+        if self.graphs and state.fixed_capacity(self.context):
+            if state.decode_step is None:
+                from strata.runtime.graph import DecodeStep
+
+                state.decode_step = DecodeStep(self.model, self.context, state=state)
+            return state.decode_step.step(int(t[0])).float().clone()
         return self.model.forward(t, state)[-1].float()

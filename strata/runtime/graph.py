@@ -31,10 +31,13 @@ def capturable(ops: Ops) -> Ops:
 class DecodeStep:
     """A model's single-token decode step bound to one fixed-capacity sequence state."""
 
-    def __init__(self, model: Model, capacity: int, capture: bool | None = None):
+    def __init__(self, model: Model, capacity: int, capture: bool | None = None,
+                 state: SequenceState | None = None):
         self.model = Model(model.w, model.dtype, model.device, capturable(model.ops))
         self.capacity = capacity
-        self.state: SequenceState = self.model.new_state(capacity)
+        if state is not None and not state.fixed_capacity(capacity):
+            raise StrataError(f"a decode step needs a state allocated at a fixed capacity of {capacity} positions")
+        self.state: SequenceState = state if state is not None else self.model.new_state(capacity)
         dev, cfg = model.device, model.cfg
         self.inputs = StepInputs(
             ids=torch.zeros(1, dtype=torch.int64, device=dev),

@@ -109,6 +109,7 @@ class SequenceState:
     ple: dict[int, PLEState]
     length: int = 0
     tokens: list[int] = field(default_factory=list)
+    decode_step: object | None = field(default=None, repr=False, compare=False)  # runtime.graph.DecodeStep
 
     @classmethod
     def empty(cls, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, capacity: int | None = None,
@@ -120,5 +121,11 @@ class SequenceState:
         return cls(layers, ple)
 
     def clone(self) -> SequenceState:
+        """A deep copy (caches included); a captured decode step bound to this state is not copied."""
         return SequenceState([s.clone() for s in self.layers], {i: s.clone() for i, s in self.ple.items()},
                              self.length, list(self.tokens))
+
+    def fixed_capacity(self, capacity: int) -> bool:
+        """Whether every QSA cache was allocated once at `capacity` positions (what a captured step needs)."""
+        qsa = [s for s in self.layers if isinstance(s, QSAState)]
+        return all(s.fixed and s.capacity >= capacity for s in qsa)

@@ -67,7 +67,7 @@ class ServerContext:
         self.llm = llm
         self.options = options
         self.model_name = options.model_name or Path(llm.path).name or "strata"
-        self.context_length = llm.engine.cfg.max_position_embeddings
+        self.context_length = llm.engine.max_context
         self.max_prompt_tokens = min(options.max_prompt_tokens or self.context_length - 1, self.context_length - 1)
         self.max_tokens_limit = options.max_tokens_limit or self.context_length
         self.created = int(time.time())

@@ -63,7 +63,7 @@ class Generation:
         if not self.prompt_ids:
             raise StrataError("empty prompt: at least one token is needed")
         engine.check_ids(self.prompt_ids)
-        limit = engine.cfg.max_position_embeddings
+        limit = engine.max_context
         if len(self.prompt_ids) > limit:
             raise StrataError(f"the prompt has {len(self.prompt_ids)} tokens; the model's context is {limit}")
         self.engine = engine
@@ -100,7 +100,7 @@ class Generation:
         self._started = True
         engine, params = self.engine, self.params
         eos = stop_ids(engine, self.tokenizer)
-        limit = engine.cfg.max_position_embeddings
+        limit = engine.max_context
 
         t0 = time.perf_counter()
         state, todo = self._start_state()
