@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from strata.errors import StrataError
 from strata.model.ops import Ops
 from strata.weights.schema import Weights
 from strata.weights.tensor import DenseTensor, StackedTensor, StoredTensor
@@ -39,9 +40,9 @@ def fast_ops(base: Ops | None = None) -> Ops:
     """The op table with every available Triton kernel installed (each falls back to the reference for
     inputs it does not cover)."""
     ops = base or Ops()
-    from strata.kernels.ops import triton_ops
-
-    ops = triton_ops(ops)
-    from strata.kernels.fused import fused_ops
-
-    return fused_ops(ops)
+    try:
+        from strata.kernels.fused import fused_ops
+        from strata.kernels.ops import triton_ops
+    except ImportError as e:
+        raise StrataError(f"the GPU path needs Triton ({e}); install it with: pip install -e '.[gpu]'") from e
+    return fused_ops(triton_ops(ops))
