@@ -1,5 +1,5 @@
-"""The fixture HF checkpoint (bf16 weights, float32 compute) reproduces transformers' logits through
-`strata logits`, in both modes, and `strata inspect` describes it."""
+"""The fixture HF checkpoint (bf16 weights, float32 compute) and llama.cpp's f32 GGUF of it reproduce
+transformers' logits through `strata logits`, in both modes, and `strata inspect` describes them."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import pytest
 from strata.cli.main import main
 
 
+@pytest.mark.parametrize("model", ["hf", "tiny-f32.gguf"])
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
-def test_strata_logits_matches_transformers(fixtures_dir, tmp_path, mode):
+def test_strata_logits_matches_transformers(fixtures_dir, tmp_path, mode, model):
     out = tmp_path / "logits.npy"
-    code = main(["logits", "--model", str(fixtures_dir / "hf"), "--ids-file", str(fixtures_dir / "prompt.json"),
+    code = main(["logits", "--model", str(fixtures_dir / model), "--ids-file", str(fixtures_dir / "prompt.json"),
                  "--out", str(out), "--mode", mode])
     assert code == 0
     ours = np.load(out)
