@@ -19,7 +19,9 @@ import torch
 
 from strata.config import ModelConfig
 from strata.kernels import attention, gdn, hyper, moe
+from strata.kernels import hc_write as hc_write_kernel
 from strata.kernels import norm_rope as norm_rope_kernel
+from strata.kernels import ple as ple_kernel
 from strata.model.gdn import GDNParams
 from strata.model.ops import Ops
 from strata.model.qsa import select_tokens as select_tokens_ref
@@ -114,6 +116,30 @@ def make_norm_rope(fallback: Callable, force: bool = False) -> Callable:
     return norm_rope
 
 
+def make_hc_write(fallback: Callable, force: bool = False) -> Callable:
+    """hc_write entry: x + inject (x) y in one launch, else `fallback`."""
+
+    def hc_write(x: torch.Tensor, inject: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if _on_device(x, force) and hc_write_kernel.supported(x, inject, y):
+            return hc_write_kernel.hc_write(x, inject, y)
+        return fallback(x, inject, y)
+
+    return hc_write
+
+
+def make_ple_mix(fallback: Callable, force: bool = False) -> Callable:
+    """ple_mix entry: the two-launch one-token PLE gate / norm / conv / window shift, else `fallback`."""
+
+    def ple_mix(x: torch.Tensor, key: torch.Tensor, value: torch.Tensor, norm_key: torch.Tensor,
+                norm_query: torch.Tensor, norm_conv: torch.Tensor, conv_w: torch.Tensor, window: torch.Tensor,
+                cfg: ModelConfig) -> torch.Tensor:
+        if _on_device(x, force) and ple_kernel.supported(x, key, value, conv_w, window, cfg):
+            return ple_kernel.ple_mix(x, key, value, norm_key, norm_query, norm_conv, conv_w, window, cfg)
+        return fallback(x, key, value, norm_key, norm_query, norm_conv, conv_w, window, cfg)
+
+    return ple_mix
+
+
 def fused_ops(base: Ops, force: bool = False) -> Ops:
     """`base` with the fused entries installed (each falling back to what `base` had). `force` runs the
     kernels on any device (CPU tensors need TRITON_INTERPRET=1); without it they run only on CUDA tensors."""
@@ -124,6 +150,8 @@ def fused_ops(base: Ops, force: bool = False) -> Ops:
         "norm_rope": make_norm_rope(base.norm_rope, force),
         "route": make_route(base.route, force),
         "moe_combine": make_moe_combine(base.moe_combine, force),
+        "hc_write": make_hc_write(base.hc_write, force),
+        "ple_mix": make_ple_mix(base.ple_mix, force),
     }
     for f in dataclasses.fields(base):
         if getattr(base, f.name) is select_tokens_ref:

@@ -37,6 +37,10 @@ def hc_read(x: torch.Tensor, w: Weights, prefix: str, streams: int, eps: float, 
                        w[prefix + ".up"], w[prefix + ".inject"] if inject else None, streams, eps, ops.linear)
 
 
-def hc_write(x: torch.Tensor, inject: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x_s += inject_s * y for every stream s (the un-normalised pre-block state is the base)."""
+def hc_write_ref(x: torch.Tensor, inject: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x_s += inject_s * y for every stream s (the un-normalised pre-block state is the base).
+    x (L, S*H), inject (L, S), y (L, H) -> (L, S*H); the product is rounded to the model dtype, then the sum."""
     return x + (y.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
+
+
+hc_write = hc_write_ref  # the reference under its historical name; the model calls `ops.hc_write`

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.model.gdn import gdn_layer
-from strata.model.hyper import hc_read, hc_write
+from strata.model.hyper import hc_read
 from strata.model.moe import moe_layer
 from strata.model.ops import Ops
 from strata.model.ple import ple_embedding, ple_layer
@@ -73,9 +73,9 @@ class Model:
                 y = gdn_layer(a, w, i, cfg, state.layers[i], ops)
             else:
                 y = qsa_layer(a, inputs.positions, rope, inputs.n_keys, w, i, cfg, state.layers[i], ops, static)
-            x = hc_write(x, inject, y)
+            x = ops.hc_write(x, inject, y)
             a, inject = hc_read(x, w, f"L{i}.hc_ffn", S, eps, ops)
-            x = hc_write(x, inject, moe_layer(a, w, i, cfg, ops))
+            x = ops.hc_write(x, inject, moe_layer(a, w, i, cfg, ops))
         h, _ = hc_read(x, w, "final", S, eps, ops, inject=False)
         return h
 

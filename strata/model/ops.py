@@ -17,7 +17,9 @@ from strata.model.attention import attend_ref
 from strata.model.experts import experts_ref
 from strata.model.gdn import gdn_core_ref
 from strata.model.hyper import hc_read_ref
+from strata.model.hyper import hc_write_ref
 from strata.model.moe import moe_combine_ref, route_ref
+from strata.model.ple import ple_mix_ref
 from strata.model.qsa import norm_rope_ref, select_tokens
 from strata.weights.tensor import StoredTensor
 
@@ -47,3 +49,5 @@ class Ops:
     norm_rope: Callable = norm_rope_ref  # (x (L, heads, d), scale (d,) fp32, cos, sin (L, r), eps) -> (L, heads, d)
     route: Callable = route_ref  # (logits (L, E), k, norm_topk_prob) -> (top_i (L, k) int64, top_w (L, k))
     moe_combine: Callable = moe_combine_ref  # (routed, gate_logit (L, 1), shared) -> (L, H)
+    hc_write: Callable = hc_write_ref  # (x (L, S*H), inject (L, S), y (L, H)) -> (L, S*H)
+    ple_mix: Callable = ple_mix_ref  # (x, key, value, 3 norm scales, conv_w, window, cfg) -> (L, S*H)

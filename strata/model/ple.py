@@ -6,6 +6,7 @@ lives in a memory-mapped file)."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -13,9 +14,11 @@ import torch.nn.functional as F
 from strata.config import ModelConfig, PLEGeometry
 from strata.model.gdn import causal_conv
 from strata.model.norms import grouped_rms_norm
-from strata.model.ops import Ops
 from strata.runtime.state import PLEState
 from strata.weights.schema import Weights
+
+if TYPE_CHECKING:
+    from strata.model.ops import Ops
 
 
 def shifted_history(history: torch.Tensor, shift: int, eos: int) -> torch.Tensor:
@@ -58,20 +61,29 @@ def ple_embedding(ids: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, s
     return ops.embed(rows, w[f"L{layer}.ple.table"], dtype).flatten(-2)
 
 
+def ple_mix_ref(x: torch.Tensor, key: torch.Tensor, value: torch.Tensor, norm_key: torch.Tensor,
+                norm_query: torch.Tensor, norm_conv: torch.Tensor, conv_w: torch.Tensor, window: torch.Tensor,
+                cfg: ModelConfig) -> torch.Tensor:
+    """Everything of a PLE layer after its two projections (spec 7.4 steps 2, 4-11): x (L, S*H) the HC state,
+    key (L, S*H) and value (L, H) the projections, the three fp32 grouped-norm scales (S*H,), conv_w (S*H, Kp)
+    in the model dtype, window (S*H, (Kp-1)*n) the conv state (updated in place). Returns (L, S*H)."""
+    S, H, eps = cfg.hc_count, cfg.hidden_size, cfg.rms_norm_eps
+    key = grouped_rms_norm(key, norm_key, H, eps).unflatten(-1, (S, H))
+    query = grouped_rms_norm(x, norm_query, H, eps).unflatten(-1, (S, H))
+    s = (key * query).sum(-1, keepdim=True) / math.sqrt(H)
+    s = s.abs().clamp_min(1e-6).sqrt() * s.sign()
+    gated = (torch.sigmoid(s) * value.unsqueeze(-2)).flatten(-2)  # (L, S*H)
+    conv, new_window = causal_conv(grouped_rms_norm(gated, norm_conv, H, eps), window, conv_w,
+                                   dilation=cfg.ngram_size)
+    window.copy_(new_window)
+    return gated + F.silu(conv)
+
+
 def ple_layer(x: torch.Tensor, e: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, state: PLEState,
               ops: Ops) -> torch.Tensor:
     """The PLE contribution (L, S*H) to add to the state x, from the gathered embedding e; updates `state`."""
     p = f"L{layer}.ple."
     dev = x.device
-    S, H, eps = cfg.hc_count, cfg.hidden_size, cfg.rms_norm_eps
-    norm = lambda t, name: grouped_rms_norm(t, w[p + name].dense(torch.float32, dev), H, eps)  # noqa: E731
-    key = norm(ops.linear(e, w[p + "key"]), "norm_key").unflatten(-1, (S, H))
-    value = ops.linear(e, w[p + "value"])
-    query = norm(x, "norm_query").unflatten(-1, (S, H))
-    s = (key * query).sum(-1, keepdim=True) / math.sqrt(H)
-    s = s.abs().clamp_min(1e-6).sqrt() * s.sign()
-    gated = (torch.sigmoid(s) * value.unsqueeze(-2)).flatten(-2)  # (L, S*H)
-    conv, window = causal_conv(norm(gated, "norm_conv"), state.conv, w[p + "conv"].dense(x.dtype, dev),
-                               dilation=cfg.ngram_size)
-    state.conv.copy_(window)
-    return gated + F.silu(conv)
+    scale = lambda name: w[p + name].dense(torch.float32, dev)
+    return ops.ple_mix(x, ops.linear(e, w[p + "key"]), ops.linear(e, w[p + "value"]), scale("norm_key"),
+                       scale("norm_query"), scale("norm_conv"), w[p + "conv"].dense(x.dtype, dev), state.conv, cfg)

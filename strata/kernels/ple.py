@@ -1,0 +1,112 @@
+"""Fused PLE mix for one token: the twin of `strata.model.ple.ple_mix_ref` for L == 1, in two launches.
+
+1. `_ple_gate_kernel`, grid (S,): one program per hyper-connection stream computes the stream's grouped
+   RMSNorms of the key projection and of the state (Q), the gate score s = sum(K.Q) / sqrt(H),
+   s' = sign(s) sqrt(max(|s|, 1e-6)), G = sigmoid(s') * value, and G's own grouped norm (its group is exactly
+   this stream's H features), writing G and G-hat (model dtype) to a scratch buffer.
+2. `_ple_conv_kernel`, grid (S*H / BC,): each program owns BC channels: the dilated causal depthwise conv over
+   [old window | G-hat], SiLU, the residual add G + SiLU(conv), and the shift of its channels' window. Every
+   load and store of one channel's window is issued by the same thread (1-d vectors of the same layout), taps
+   read before the shift overwrites them and the shift in increasing tap order (tap t + 1 is read before it is
+   overwritten), so no thread overwrites a window value another thread still has to read.
+
+Roundings follow the reference op by op: normed K and Q, the K*Q products, their sum, the scaled score, the
+square root, the sigmoid and G, G-hat, the conv output, the SiLU and the sum are each rounded to the model
+dtype; norm statistics and the conv accumulation are fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from strata.config import ModelConfig
+
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _ple_gate_kernel(x_ptr, k_ptr, v_ptr, nk_ptr, nq_ptr, nc_ptr, g_ptr, gn_ptr, H, sqrt_h, eps, smin,
+                     BH: tl.constexpr, DT: tl.constexpr):
+    s = tl.program_id(0)
+    h = tl.arange(0, BH)
+    m = h < H
+    base = s * H + h
+    xv = tl.load(x_ptr + base, mask=m, other=0.0).to(tl.float32)
+    q = xv * tl.rsqrt(tl.sum(xv * xv, axis=0) / H + eps)
+    q = (q * tl.load(nq_ptr + base, mask=m, other=0.0)).to(DT).to(tl.float32)
+    kv = tl.load(k_ptr + base, mask=m, other=0.0).to(tl.float32)
+    k = kv * tl.rsqrt(tl.sum(kv * kv, axis=0) / H + eps)
+    k = (k * tl.load(nk_ptr + base, mask=m, other=0.0)).to(DT).to(tl.float32)
+    prod = (k * q).to(DT).to(tl.float32)
+    sc = tl.sum(prod, axis=0).to(DT).to(tl.float32)
+    sc = (sc / sqrt_h).to(DT).to(tl.float32)
+    mag = tl.sqrt(tl.maximum(tl.abs(sc), smin)).to(DT).to(tl.float32)
+    sgn = tl.where(sc > 0, 1.0, tl.where(sc < 0, -1.0, 0.0))
+    sig = tl.sigmoid(mag * sgn).to(DT).to(tl.float32)
+    v = tl.load(v_ptr + h, mask=m, other=0.0).to(tl.float32)
+    g = (sig * v).to(DT).to(tl.float32)
+    gn = g * tl.rsqrt(tl.sum(g * g, axis=0) / H + eps)
+    gn = gn * tl.load(nc_ptr + base, mask=m, other=0.0)
+    tl.store(g_ptr + base, g.to(DT), mask=m)
+    tl.store(gn_ptr + base, gn.to(DT), mask=m)
+
+
+@triton.jit
+def _ple_conv_kernel(g_ptr, gn_ptr, w_ptr, win_ptr, out_ptr, C, KP: tl.constexpr, NG: tl.constexpr,
+                     BC: tl.constexpr, DT: tl.constexpr):
+    W: tl.constexpr = (KP - 1) * NG
+    ch = tl.program_id(0) * BC + tl.arange(0, BC)
+    m = ch < C
+    gn = tl.load(gn_ptr + ch, mask=m, other=0.0)
+    # dilated taps: window columns 0, NG, 2 NG, ... then the current G-hat (all reads of the old window first)
+    acc = tl.zeros([BC], dtype=tl.float32)
+    for j in tl.static_range(KP - 1):
+        wj = tl.load(w_ptr + ch * KP + j, mask=m, other=0.0).to(tl.float32)
+        acc += wj * tl.load(win_ptr + ch * W + j * NG, mask=m, other=0.0).to(tl.float32)
+    acc += tl.load(w_ptr + ch * KP + KP - 1, mask=m, other=0.0).to(tl.float32) * gn.to(tl.float32)
+    c = acc.to(DT).to(tl.float32)
+    act = (c * tl.sigmoid(c)).to(DT).to(tl.float32)
+    g = tl.load(g_ptr + ch, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + ch, (g + act).to(DT), mask=m)
+    # shift the window: new[:, t] = [old | G-hat][:, t + 1], same thread per channel, in tap order
+    for t in tl.static_range(W - 1):
+        nxt = tl.load(win_ptr + ch * W + t + 1, mask=m, other=0.0)
+        tl.store(win_ptr + ch * W + t, nxt, mask=m)
+    tl.store(win_ptr + ch * W + W - 1, gn, mask=m)
+
+
+def supported(x: torch.Tensor, key: torch.Tensor, value: torch.Tensor, conv_w: torch.Tensor,
+              window: torch.Tensor, cfg: ModelConfig) -> bool:
+    """One token, a dtype the kernel knows shared by the activations, conv weight and window, a conv of at
+    least 2 taps, and a contiguous window of the expected shape."""
+    S, H = cfg.hc_count, cfg.hidden_size
+    dt = x.dtype
+    C = S * H
+    return (x.dim() == 2 and x.shape == (1, C) and dt in TL_DTYPES and key.dtype == dt and value.dtype == dt
+            and tuple(key.shape) == (1, C) and tuple(value.shape) == (1, H) and conv_w.dtype == dt
+            and window.dtype == dt and window.is_contiguous() and conv_w.dim() == 2 and conv_w.shape[0] == C
+            and conv_w.shape[1] >= 2 and tuple(window.shape) == (C, (conv_w.shape[1] - 1) * cfg.ngram_size))
+
+
+def ple_mix(x: torch.Tensor, key: torch.Tensor, value: torch.Tensor, norm_key: torch.Tensor,
+            norm_query: torch.Tensor, norm_conv: torch.Tensor, conv_w: torch.Tensor, window: torch.Tensor,
+            cfg: ModelConfig, block_c: int = 1024) -> torch.Tensor:
+    """One-token PLE mix: (1, S*H) in x's dtype; shifts `window` in place. `block_c` is the channels per
+    program of the conv launch (a tuning knob)."""
+    S, H, eps = cfg.hc_count, cfg.hidden_size, cfg.rms_norm_eps
+    C, dt = S * H, x.dtype
+    x, key, value, conv_w = x.contiguous(), key.contiguous(), value.contiguous(), conv_w.contiguous()
+    nk, nq, nc = (t.float().contiguous() for t in (norm_key, norm_query, norm_conv))
+    smin = float(torch.tensor(1e-6, dtype=dt))  # clamp_min's bound, as the reference rounds it
+    scratch = torch.empty(2, C, dtype=dt, device=x.device)  # G, G-hat
+    _ple_gate_kernel[(S,)](x, key, value, nk, nq, nc, scratch[0], scratch[1], H, math.sqrt(H), eps, smin,
+                           BH=triton.next_power_of_2(H), DT=TL_DTYPES[dt])
+    out = torch.empty(1, C, dtype=dt, device=x.device)
+    bc = min(block_c, triton.next_power_of_2(C))
+    _ple_conv_kernel[(triton.cdiv(C, bc),)](scratch[0], scratch[1], conv_w, window, out, C,
+                                             KP=conv_w.shape[1], NG=cfg.ngram_size, BC=bc, DT=TL_DTYPES[dt])
+    return out
