@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from strata.model.attention import attend_ref
 from strata.model.experts import experts_ref
 from strata.model.gdn import gdn_core_ref
-from strata.model.hyper import hc_read_ref
-from strata.model.hyper import hc_write_ref
+from strata.model.hyper import hc_read_ref, hc_write_ref
 from strata.model.moe import moe_combine_ref, route_ref
 from strata.model.ple import ple_mix_ref
 from strata.model.qsa import norm_rope_ref, select_tokens
