@@ -89,7 +89,8 @@ class StageTimes:
 
 
 _OP_STAGES = {"attend": "qsa.attend", "select_tokens": "qsa.select", "gdn_core": "gdn.core", "hc_read": "hc",
-              "route": "router", "moe_combine": "shared", "norm_rope": "qsa.norm_rope"}
+              "route": "router", "moe_combine": "shared", "norm_rope": "qsa.norm_rope", "hc_write": "hc",
+              "ple_mix": "ple"}
 
 
 def _stage_of_linear(name: str) -> str:
