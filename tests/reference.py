@@ -73,3 +73,31 @@ def build(name_or_cfg: str | dict, seed: int = 0, **overrides):
 def save(model, folder: Path) -> Path:
     model.save_pretrained(folder)
     return folder
+
+
+def decode_logits(engine, ids: list[int], prompt: int) -> torch.Tensor:
+    """Logits of a prefill of ids[:prompt] followed by token-by-token decode of the rest, through `engine`."""
+    state = engine.new_state()
+    return torch.stack([engine.prefill(ids[:prompt], state)] + [engine.decode(t, state) for t in ids[prompt:]])
+
+
+def static_logits(engine, ids: list[int], prompt: int, capacity: int) -> torch.Tensor:
+    """The same through the fixed-capacity step the GPU captures as a graph (run eagerly)."""
+    from strata.runtime.graph import DecodeStep
+
+    step = DecodeStep(engine.model, capacity=capacity, capture=False)
+    rows = [step.prefill(torch.tensor(ids[:prompt]))] + [step.step(t) for t in ids[prompt:]]
+    return torch.stack(rows).float()
+
+
+def assert_decodes_match(ref, fast, ids: list[int], prompt: int, capacity: int | None = None,
+                         tol: float = 1e-5) -> None:
+    """`fast` (an engine with kernels installed) decodes `ids` like `ref`, through the engine and, with a
+    capacity, through the static step. Static is compared with static: with 2 indexer heads, exact-zero ReLU
+    ties at the k-th block may break differently over capacity-sized candidate lists than over growing ones."""
+    def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+        return float((got - want).abs().max() / want.abs().max())
+
+    assert rel(decode_logits(fast, ids, prompt), decode_logits(ref, ids, prompt)) < tol
+    if capacity is not None:
+        assert rel(static_logits(fast, ids, prompt, capacity), static_logits(ref, ids, prompt, capacity)) < tol

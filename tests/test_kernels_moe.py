@@ -24,7 +24,6 @@ from strata.kernels.fused import fused_ops
 from strata.model.moe import moe_combine_ref, route_ref
 from strata.model.ops import Ops
 from strata.runtime.engine import Engine
-from strata.runtime.graph import DecodeStep
 from strata.weights.hf import load_hf
 from tests import reference
 
@@ -116,15 +115,4 @@ def test_tiny_model_decode_with_moe_kernels_matches_reference(tiny_weights):
     ref = Engine(tiny_weights)
     fast = Engine(tiny_weights, ops=fused_ops(Ops(), force=True))
     ids = torch.randint(2, ref.cfg.vocab_size, (13,), generator=torch.Generator().manual_seed(4)).tolist()
-    outs = []
-    for engine in (ref, fast):
-        state = engine.new_state()
-        outs.append(torch.stack([engine.prefill(ids[:5], state)] + [engine.decode(t, state) for t in ids[5:]]))
-    want, got = outs
-    assert ((got - want).abs().max() / want.abs().max()) < 1e-5
-    statics = []
-    for engine in (ref, fast):
-        step = DecodeStep(engine.model, capacity=32, capture=False)
-        statics.append(torch.stack([step.prefill(torch.tensor(ids[:5]))] + [step.step(t) for t in ids[5:]]))
-    want, got = (s.float() for s in statics)
-    assert ((got - want).abs().max() / want.abs().max()) < 1e-5
+    reference.assert_decodes_match(ref, fast, ids, prompt=5, capacity=32)

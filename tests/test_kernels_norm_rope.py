@@ -28,7 +28,6 @@ from strata.model.norms import rms_norm
 from strata.model.ops import Ops
 from strata.model.qsa import apply_rope, norm_rope_ref, rope_tables
 from strata.runtime.engine import Engine
-from strata.runtime.graph import DecodeStep
 from strata.weights.hf import load_hf
 from tests import reference
 
@@ -109,18 +108,7 @@ def test_tiny_model_decode_with_fused_norm_rope(tiny_weights):
     cfg = ref.cfg
     ids = torch.randint(2, cfg.vocab_size, (3 + cfg.selection_width + 6,),
                         generator=torch.Generator().manual_seed(3)).tolist()
-    outs = []
-    for engine in (ref, fast):
-        state = engine.new_state()
-        outs.append(torch.stack([engine.prefill(ids[:5], state)] + [engine.decode(t, state) for t in ids[5:]]))
-    want, got = outs
-    assert ((got - want).abs().max() / want.abs().max()) < 1e-5
-    statics = []
-    for engine in (ref, fast):
-        step = DecodeStep(engine.model, capacity=32, capture=False)
-        statics.append(torch.stack([step.prefill(torch.tensor(ids[:5]))] + [step.step(t) for t in ids[5:]]))
-    want, got = (s.float() for s in statics)
-    assert ((got - want).abs().max() / want.abs().max()) < 1e-5
+    reference.assert_decodes_match(ref, fast, ids, prompt=5, capacity=32)
 
 
 def test_norm_rope_only_ops_match_reference(tiny_weights):
@@ -128,9 +116,4 @@ def test_norm_rope_only_ops_match_reference(tiny_weights):
     ref = Engine(tiny_weights)
     fast = Engine(tiny_weights, ops=Ops(norm_rope=fused_ops(Ops(), force=True).norm_rope))
     ids = torch.randint(2, ref.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(5)).tolist()
-    outs = []
-    for engine in (ref, fast):
-        state = engine.new_state()
-        outs.append(torch.stack([engine.prefill(ids[:4], state)] + [engine.decode(t, state) for t in ids[4:]]))
-    want, got = outs
-    assert ((got - want).abs().max() / want.abs().max()) < 1e-5
+    reference.assert_decodes_match(ref, fast, ids, prompt=4)
