@@ -69,13 +69,13 @@ class LLM:
 
     def __init__(self, path: str | Path | None = None, dtype: str = "float32", device: str = "cpu", *,
                  tokenizer: str | Path | None = None, chat_template: str | Path | None = None,
-                 progress: bool = False):
+                 progress: bool = False, context: int | None = None):
         from tqdm import tqdm
 
         steps = ["weights", "tokenizer", "chat template"]
         with tqdm(total=len(steps), desc="loading", unit="step", disable=not progress, leave=False) as bar:
             bar.set_postfix_str(steps[0])
-            self.engine = Engine.load(path, dtype, device)
+            self.engine = Engine.load(path, dtype, device, context=context)
             bar.update()
             bar.set_postfix_str(steps[1])
             self.tokenizer = Tokenizer.from_model(tokenizer if tokenizer is not None else self.engine.path)

@@ -81,3 +81,14 @@ def test_engine_graph_mode_decodes_through_the_fixed_step(engine, monkeypatch):
         fixed.decode(3, s_fix)
     with pytest.raises(Exception, match="capacity"):
         fixed.decode(3, s_fix)
+
+
+def test_context_flag_reaches_the_engine(engine, tmp_path, capsys):
+    from strata.cli.main import main
+    from strata.runtime.engine import Engine as E
+
+    with pytest.raises(Exception, match="positive number of positions"):
+        E(engine.weights, context=0)
+    assert E(engine.weights, graphs=True, context=10**9).max_context == engine.cfg.max_position_embeddings
+    assert main(["logits", "--ids", "1,2,3", "--context", "0", "--out", str(tmp_path / "x.npy")]) == 2
+    assert "positive number of positions" in capsys.readouterr().err

@@ -15,6 +15,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default: float32)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+    p.add_argument("--context", type=int, default=None, metavar="N",
+                   help="on CUDA, the positions each sequence's decode state holds (its caches are allocated once "
+                        "so decode replays a captured CUDA graph; default 32768, at most the model's context)")
 
 
 def parse_ids(text: str) -> list[int]:

@@ -17,7 +17,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Print geometry, tensor inventory by role and storage type, parameter counts "
                                    "(total, active per token) and the memory the model needs.")
     add_model_args(p)
-    p.add_argument("--context", type=int, default=4096, help="context length for the state-size estimate")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(run=run)
 
@@ -29,8 +28,9 @@ def run(args: argparse.Namespace) -> int:
 
     w = load_weights(args.model or DEFAULT_MODEL)
     report = describe(w)
-    st = state_bytes(w.cfg, args.context)
-    report["state_bytes_at_context"] = {"context": args.context, "bytes": st}
+    context = args.context or 4096  # the state-size estimate's context (--context, else 4096)
+    st = state_bytes(w.cfg, context)
+    report["state_bytes_at_context"] = {"context": context, "bytes": st}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {k:<22} {v}")
     print(f"parameters {report['params_total']:,} total, {report['params_active_per_token']:,} active per token")
     print(f"memory     weights {_gb(report['bytes_total'])}; one token reads {_gb(report['bytes_per_token'])}; "
-          f"state at {args.context} tokens {_gb(st)}")
+          f"state at {context} tokens {_gb(st)}")
     print(f"\n{'role':<20}{'params':>16}{'bytes':>16}{'bytes/token':>16}  storage types")
     for role, r in report["by_role"].items():
         kinds = ", ".join(sorted(report["storage_types_by_role"].get(role, {})))

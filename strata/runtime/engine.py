@@ -51,6 +51,8 @@ class Engine:
                  context: int | None = None):
         self.device = torch.device(device)
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        if context is not None and context < 1:
+            raise StrataError(f"context must be a positive number of positions, got {context}")
         self.context = min(context or DEFAULT_CONTEXT, weights.cfg.max_position_embeddings)
         if self.device.type == "cuda":
             from strata.runtime.placement import fast_ops, place
