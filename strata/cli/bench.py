@@ -22,6 +22,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--runs", type=int, default=3, help="timed runs per context; the median is reported")
     p.add_argument("--prefill-tokens", type=int, default=512, help="prompt length for prefill (0: skip)")
     p.add_argument("--no-stages", action="store_true", help="skip the per-stage table")
+    p.add_argument("--profile", action="store_true",
+                   help="also list the kernels one eager decode step launches (count, device time, largest)")
+    p.add_argument("--commit", default=None,
+                   help="commit id to record in the report (default: git rev-parse HEAD; for copies without .git)")
     p.add_argument("--reference-ops", action="store_true", help="use the reference ops, not the Triton kernels")
     p.add_argument("--layers", type=int, default=None,
                    help="synthetic model with fewer layers (for a quick check; the default is the real 48)")
@@ -60,12 +64,13 @@ def run(args: argparse.Namespace) -> int:
 
     ops = None if args.reference_ops else fast_ops()
     model = Model(weights, torch.bfloat16, dev, ops)
-    report = {"commit": bench.git_commit(), "gpu": torch.cuda.get_device_name(dev),
+    report = {"commit": args.commit or bench.git_commit(), "gpu": torch.cuda.get_device_name(dev),
               "copy_bandwidth_bytes_per_s": bw, "model": args.model or "synthetic (real geometry)",
               "type_mix": mix_text, "layers": weights.cfg.num_hidden_layers,
               "ops": "reference" if ops is None else "triton", "decode": []}
     for ctx in contexts:
-        r = bench.bench_decode(model, ctx, args.tokens, args.runs, stage_table=not args.no_stages)
+        r = bench.bench_decode(model, ctx, args.tokens, args.runs, stage_table=not args.no_stages,
+                               profile=args.profile and ctx == contexts[0])
         b = bench.token_bytes(weights, ctx)
         r["bytes_per_token"] = b
         r["floor_ms"] = b["total"] / bw * 1e3

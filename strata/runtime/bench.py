@@ -158,7 +158,7 @@ def git_commit() -> str:
 
 
 def bench_decode(model: Model, context: int, tokens: int = 64, runs: int = 3, seed: int = 0,
-                 stage_table: bool = True) -> dict:
+                 stage_table: bool = True, profile: bool = False) -> dict:
     """Decode ms/token at `context` through the captured step, and the per-stage table."""
     dev = model.device
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -194,6 +194,8 @@ def bench_decode(model: Model, context: int, tokens: int = 64, runs: int = 3, se
            "ms_per_token_runs": per_token_ms, "wall_ms_per_token": statistics.median(wall_ms),
            "graph_replay_ms": replay_ms, "capture_s": capture_s}
     out["tok_per_s"] = 1e3 / out["ms_per_token"]
+    if profile:
+        out["kernels"] = kernel_profile(step)
     if stage_table:
         times = StageTimes()
         prof = Model(model.w, model.dtype, model.device, timed_ops(step.model.ops, model.cfg, times))
@@ -210,6 +212,27 @@ def bench_decode(model: Model, context: int, tokens: int = 64, runs: int = 3, se
     del step
     torch.cuda.empty_cache()
     return out
+
+
+def kernel_profile(step: DecodeStep, top: int = 12) -> dict:
+    """The kernels one eager decode step launches (torch profiler): how many, their summed device time, and the
+    largest by total time. Launches x per-launch overhead is what the captured step pays beyond kernel time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode():
+        step._compute()  # warm: every kernel compiled
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step._compute()
+            torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = defaultdict(list)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name].append(e.device_time_total / 1e3)
+    total = sum(sum(v) for v in kernels.values())
+    ranked = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"launches": sum(len(v) for v in kernels.values()), "kernel_ms": total,
+            "top": [{"kernel": k[:80], "count": len(v), "ms": round(sum(v), 4)} for k, v in ranked]}
 
 
 def bench_prefill(model: Model, tokens: int, seed: int = 0) -> dict:
@@ -245,6 +268,10 @@ def format_table(report: dict) -> str:
         p = report["prefill"]
         lines.append(f"prefill: {p['tokens']} tokens in {p['seconds']:.2f} s = {p['tok_per_s']:.1f} tok/s")
     first = report["decode"][0] if report["decode"] else {}
+    if "kernels" in first:
+        k = first["kernels"]
+        lines.append(f"one step launches {k['launches']} kernels, {k['kernel_ms']:.3f} ms of kernel time; largest:")
+        lines.extend(f"  {t['ms']:>8.3f} ms {t['count']:>5}x {t['kernel']}" for t in k["top"])
     if "stages_ms" in first:
         lines.append(f"per-stage ms (context {first['context']}; sum {first['stages_sum_ms']:.3f} ms of "
                      f"{first['ms_per_token']:.3f} ms):")
