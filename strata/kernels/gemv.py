@@ -2,15 +2,22 @@
 
 Decode at batch 1 is memory-bound: every weight byte is read once per token, so the GEMV reads the packed blocks
 as they are stored, decodes them in registers and never writes a dequantized copy. Each block type has one
-decoder (`gemv_blocks.py`); one kernel skeleton (`_gemv_kernel`) runs any of them over a tile of BN rows, looping
-over K in chunks, with fp32 accumulation.
+decoder (`gemv_blocks.py`); one loop (`_tile`) runs any of them over a tile of rows, looping over K in chunks,
+with fp32 accumulation. Three kernels wrap it:
 
-    gemv(x (T, K), w_data (N, row_bytes) uint8, type_id, K)                -> (T, N) fp32
-    gemv_experts(x (k|1, K), w_data (E, N, row_bytes), expert_ids (k,), type_id, K) -> (k, N) fp32
+    gemv(x (T, K), w_data (N, row_bytes) uint8, type_id, K)                -> (T, N)
+    gemv_experts(x (k|1, K), w_data (E, N, row_bytes), expert_ids (k,), type_id, K) -> (k, N)
+    gemv_glu(x (T, K), gate_data (I, rb), up_data (I, rb), type_id, K)      -> (T, I)  silu(x G^T) * (x U^T)
+    gemv_experts_glu(x (k|1, K), gate_data (E, I, rb), up_data (E, I, rb), expert_ids (k,), type_id, K) -> (k, I)
+    gemv_experts_sum(x (T*k, K), w_data (E, N, rb), expert_ids (T, k), slot_weights (T, k), type_id, K) -> (T, N)
 
-`gemv_experts` runs the k routed experts of a MoE layer in one launch: the expert ids are read on the device, so
-the router's output never travels to the host. Neither function synchronizes with the host or allocates anything
-but its output (pass `out=` to avoid even that), so both can be captured in a CUDA graph, once compiled and once
+The fused ones exist to cut launches at decode (~40 per layer otherwise): a MoE layer's routed experts take two
+(gate/up + SiLU, then down + weighted combine) instead of three GEMVs plus elementwise and reduction kernels.
+Outputs are float32, bfloat16 or float16 (`out=` or `out_dtype=`), rounded once from fp32 at the store.
+
+`gemv_experts*` run the k routed experts of a MoE layer in one launch: the expert ids are read on the device, so
+the router's output never travels to the host. No function synchronizes with the host or allocates anything but
+its output (pass `out=` to avoid even that), so all can be captured in a CUDA graph, once compiled and once
 `prepare(device)` has placed the i-quant tables: run each shape once before capturing.
 
 Dense weights (F32, F16, BF16) go through the same kernel with one "block" per element; their `w_data` may be the
@@ -162,35 +169,17 @@ def _put(res, a, t: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, RANK: tl
 
 
 @triton.jit
-def _gemv_kernel(
-    x_ptr, w_ptr, ids_ptr, tab_ptr, out_ptr,
-    N, n_chunks,
-    w_row_stride, w_slot_stride, x_tok_stride, x_slot_stride, out_tok_stride, out_slot_stride,
-    DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr, NB: tl.constexpr,
-    BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr,
-):
-    """out[slot, t, rows] = W[slot's matrix][rows] . x[slot, t] for BN rows, T <= 8 tokens.
-
-    Program (i, slot): rows i*BN .. i*BN+BN-1 of the matrix of `slot` (expert ids[slot] when HAS_IDS, else the one
-    matrix). Rows past N are clamped to N-1 (so no load needs a mask) and not stored. Strides are in elements of
-    the respective pointer (bytes for packed rows).
+def _tile(xp, xs, rp, tab_ptr, n_chunks,
+          DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr,
+          NB: tl.constexpr, ROWS: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr):
+    """[ROWS, T_PAD] fp32: res[r, t] = (the row at pointer rp[r]) . (x token t at xp + t*xs), for t < T <= 8.
 
     Each chunk is decoded once into a weight tile and multiplied by each token's x into that token's accumulator,
     a tile of the same shape and layout (so no data moves between threads inside the loop); the tiles are summed
     over their K dimensions once, after the loop. The first chunk initialises the accumulators (their shape is the
-    decoder's); the accumulators of tokens past T are compile-time placeholders that generate no code."""
-    pid = tl.program_id(0)
-    slot = tl.program_id(1)
-    rows = pid * BN + tl.arange(0, BN)
-    rows_c = tl.minimum(rows, N - 1).to(tl.int64)
-    if HAS_IDS:
-        mat = tl.load(ids_ptr + slot).to(tl.int64)
-    else:
-        mat = slot.to(tl.int64) * 0
-    rp = w_ptr + mat * w_slot_stride + rows_c * w_row_stride
-    xp = x_ptr + slot.to(tl.int64) * x_slot_stride
-    xs = x_tok_stride
-    w, xo = DECODE(rp, tab_ptr, BN, NB)
+    decoder's); the accumulators of tokens past T are compile-time placeholders that generate no code. The rows
+    need not belong to one matrix (the GLU kernel decodes gate and up rows in one tile)."""
+    w, xo = DECODE(rp, tab_ptr, ROWS, NB)
     a0 = w * _x(xp, xo, xs, 0)
     a1 = 0.0
     a2 = 0.0
@@ -215,7 +204,7 @@ def _gemv_kernel(
         a7 = w * _x(xp, xo, xs, 7)
     for c in range(1, n_chunks):
         xc = xp + c * CHUNK_X
-        w, xo = DECODE(rp + c * CHUNK_W, tab_ptr, BN, NB)
+        w, xo = DECODE(rp + c * CHUNK_W, tab_ptr, ROWS, NB)
         a0 += w * _x(xc, xo, xs, 0)
         if T > 1:
             a1 += w * _x(xc, xo, xs, 1)
@@ -231,7 +220,7 @@ def _gemv_kernel(
             a6 += w * _x(xc, xo, xs, 6)
         if T > 7:
             a7 += w * _x(xc, xo, xs, 7)
-    res = tl.zeros([BN, T_PAD], dtype=tl.float32)
+    res = tl.zeros([ROWS, T_PAD], dtype=tl.float32)
     res = _put(res, a0, 0, T, T_PAD, RANK)
     res = _put(res, a1, 1, T, T_PAD, RANK)
     res = _put(res, a2, 2, T, T_PAD, RANK)
@@ -240,9 +229,130 @@ def _gemv_kernel(
     res = _put(res, a5, 5, T, T_PAD, RANK)
     res = _put(res, a6, 6, T, T_PAD, RANK)
     res = _put(res, a7, 7, T, T_PAD, RANK)
+    return res
+
+
+@triton.jit
+def _rounded(v, DT: tl.constexpr):
+    """fp32 v rounded (to nearest even) to DT, still held as fp32.
+
+    bfloat16 is rounded on the bits (torch's formula) rather than by a cast: the same on every backend, and
+    Triton's interpreter truncates fp32 -> bfloat16 casts. bfloat16 has fp32's exponent range, so the integer add
+    also rounds subnormals and overflows to inf correctly."""
+    if DT == tl.bfloat16:
+        u = v.to(tl.int32, bitcast=True)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    elif DT == tl.float16:
+        return v.to(tl.float16).to(tl.float32)
+    else:
+        return v
+
+
+@triton.jit
+def _store(optr, v, rows, N, tok_stride, T: tl.constexpr, T_PAD: tl.constexpr):
+    """out[t, rows] = v[:, t] (fp32 [BN, T_PAD]) for t < T and rows < N, cast once to out's element type."""
+    dt: tl.constexpr = optr.dtype.element_ty
+    if dt == tl.bfloat16:
+        v = (_rounded(v, dt).to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        v = v.to(dt)
     tcol = tl.arange(0, T_PAD)
-    optr = out_ptr + slot.to(tl.int64) * out_slot_stride + tcol[None, :] * out_tok_stride + rows[:, None]
-    tl.store(optr, res, mask=(rows[:, None] < N) & (tcol[None, :] < T))
+    tl.store(optr + tcol[None, :] * tok_stride + rows[:, None], v, mask=(rows[:, None] < N) & (tcol[None, :] < T))
+
+
+@triton.jit
+def _matrix(ids_ptr, slot, HAS_IDS: tl.constexpr):
+    """The (int64) index of the matrix that `slot` multiplies: ids[slot] when HAS_IDS, else 0."""
+    if HAS_IDS:
+        return tl.load(ids_ptr + slot).to(tl.int64)
+    else:
+        return slot.to(tl.int64) * 0
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, ids_ptr, tab_ptr, out_ptr,
+    N, n_chunks,
+    w_row_stride, w_slot_stride, x_tok_stride, x_slot_stride, out_tok_stride, out_slot_stride,
+    DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr, NB: tl.constexpr,
+    BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr,
+):
+    """out[slot, t, rows] = W[slot's matrix][rows] . x[slot, t] for BN rows, T <= 8 tokens.
+
+    Program (i, slot): rows i*BN .. i*BN+BN-1 of the matrix of `slot` (expert ids[slot] when HAS_IDS, else the one
+    matrix). Rows past N are clamped to N-1 (so no load needs a mask) and not stored. Strides are in elements of
+    the respective pointer (bytes for packed rows)."""
+    pid = tl.program_id(0)
+    slot = tl.program_id(1).to(tl.int64)
+    rows = pid * BN + tl.arange(0, BN)
+    rows_c = tl.minimum(rows, N - 1).to(tl.int64)
+    rp = w_ptr + _matrix(ids_ptr, slot, HAS_IDS) * w_slot_stride + rows_c * w_row_stride
+    res = _tile(x_ptr + slot * x_slot_stride, x_tok_stride, rp, tab_ptr, n_chunks,
+                DECODE, RANK, CHUNK_W, CHUNK_X, NB, BN, T, T_PAD)
+    _store(out_ptr + slot * out_slot_stride, res, rows, N, out_tok_stride, T, T_PAD)
+
+
+@triton.jit
+def _act(g, ACT: tl.constexpr):
+    """The GLU's activation of the gate, in fp32."""
+    tl.static_assert(ACT == "silu", "GLU activations: silu")
+    return g / (1.0 + tl.exp(-g))  # torch's formula for silu
+
+
+@triton.jit
+def _glu_kernel(
+    x_ptr, g_ptr, u_ptr, ids_ptr, tab_ptr, out_ptr,
+    N, n_chunks,
+    g_row_stride, u_row_stride, g_slot_stride, u_slot_stride, x_tok_stride, x_slot_stride,
+    out_tok_stride, out_slot_stride,
+    DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr, NB: tl.constexpr,
+    BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr, ACT: tl.constexpr,
+):
+    """out[slot, t, rows] = act(G[rows] . x) * (U[rows] . x), G and U the gate and up matrices of `slot`.
+
+    One tile of 2*BN rows: the first BN point into G, the last BN at the same rows of U, so one decode loop
+    serves both and x is loaded once. The product is rounded as the model computes it in out's dtype: g and u
+    rounded to it, act(g) computed in fp32 and rounded, the product (exact in fp32 for 16-bit inputs) rounded
+    once more at the store; with an fp32 output every rounding is a no-op."""
+    pid = tl.program_id(0)
+    slot = tl.program_id(1).to(tl.int64)
+    r = tl.arange(0, 2 * BN)
+    rows_c = tl.minimum(pid * BN + r % BN, N - 1).to(tl.int64)
+    mat = _matrix(ids_ptr, slot, HAS_IDS)
+    rp = tl.where(r < BN, g_ptr + mat * g_slot_stride + rows_c * g_row_stride,
+                  u_ptr + mat * u_slot_stride + rows_c * u_row_stride)
+    res = _tile(x_ptr + slot * x_slot_stride, x_tok_stride, rp, tab_ptr, n_chunks,
+                DECODE, RANK, CHUNK_W, CHUNK_X, NB, 2 * BN, T, T_PAD)
+    g, u = tl.split(tl.permute(tl.reshape(res, [2, BN, T_PAD]), (1, 2, 0)))
+    dt: tl.constexpr = out_ptr.dtype.element_ty
+    y = _rounded(_act(_rounded(g, dt), ACT), dt) * _rounded(u, dt)
+    _store(out_ptr + slot * out_slot_stride, y, pid * BN + tl.arange(0, BN), N, out_tok_stride, T, T_PAD)
+
+
+@triton.jit
+def _sum_kernel(
+    x_ptr, w_ptr, ids_ptr, sw_ptr, tab_ptr, out_ptr,
+    N, n_chunks, n_slots,
+    w_row_stride, w_slot_stride, x_slot_stride, out_tok_stride,
+    DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr, NB: tl.constexpr,
+    BN: tl.constexpr,
+):
+    """out[tok, rows] = sum_j sw[s] * (W[ids[s]][rows] . x[s]), s = tok*n_slots + j, for BN rows.
+
+    Program (i, tok) runs its token's slots one after another, in order, adding each slot's fp32 row result
+    times its weight into one accumulator: no atomics, so the sum is the same on every run."""
+    pid = tl.program_id(0)
+    tok = tl.program_id(1).to(tl.int64)
+    rows = pid * BN + tl.arange(0, BN)
+    rows_c = tl.minimum(rows, N - 1).to(tl.int64)
+    acc = tl.zeros([BN, 1], dtype=tl.float32)
+    for j in range(n_slots):
+        s = tok * n_slots + j
+        rp = w_ptr + tl.load(ids_ptr + s).to(tl.int64) * w_slot_stride + rows_c * w_row_stride
+        res = _tile(x_ptr + s * x_slot_stride, 0, rp, tab_ptr, n_chunks,
+                    DECODE, RANK, CHUNK_W, CHUNK_X, NB, BN, 1, 1)
+        acc += res * tl.load(sw_ptr + s).to(tl.float32)
+    _store(out_ptr + tok * out_tok_stride, acc, rows, N, 0, 1, 1)
 
 
 def _chunk_blocks(t: GemvType, k: int) -> int:
@@ -283,55 +393,111 @@ def _check_x(x: torch.Tensor, k: int, w: torch.Tensor) -> None:
         raise ValueError(f"x on {x.device}, weights on {w.device}")
 
 
-def _out(out: torch.Tensor | None, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Output dtypes: the kernels accumulate in fp32 and round once, at the store (to nearest even)."""
+
+
+def _out(out: torch.Tensor | None, shape: tuple[int, int], device: torch.device,
+         out_dtype: torch.dtype) -> torch.Tensor:
     if out is None:
-        return torch.empty(shape, dtype=torch.float32, device=device)
-    if tuple(out.shape) != shape or out.dtype != torch.float32 or out.device != device or out.stride(1) != 1:
-        raise ValueError(f"out: expected contiguous-row float32 {shape} on {device}, got "
+        if out_dtype not in OUT_DTYPES:
+            raise ValueError(f"out_dtype: {out_dtype} is not float32/bfloat16/float16")
+        return torch.empty(shape, dtype=out_dtype, device=device)
+    if tuple(out.shape) != shape or out.dtype not in OUT_DTYPES or out.device != device or out.stride(1) != 1:
+        raise ValueError(f"out: expected contiguous-row float32/bfloat16/float16 {shape} on {device}, got "
                          f"{out.dtype} {tuple(out.shape)} on {out.device}")
     return out
 
 
-def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None, out: torch.Tensor,
-            n: int, k: int, slots: int, n_tok: int, w_slot_stride: int, x_slot_stride: int,
-            out_slot_stride: int, block_n: int | None, num_warps: int | None) -> None:
-    if n == 0 or slots == 0 or n_tok == 0:
-        return
+def _check_ids(ids: torch.Tensor, w: torch.Tensor, dims: tuple[int, ...] = (1,)) -> None:
+    if ids.dim() not in dims or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"expert_ids: expected a {'/'.join(map(str, dims))}-D int32/int64 tensor, got "
+                         f"{ids.dtype} {tuple(ids.shape)}")
+    if ids.device != w.device:
+        raise ValueError(f"expert_ids on {ids.device}, weights on {w.device}")
+    if not ids.is_contiguous():
+        raise ValueError("expert_ids: must be contiguous")
+
+
+def _glu_weights(t: GemvType, gate_data: torch.Tensor, up_data: torch.Tensor, k: int,
+                 dims: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g, u = _weights(t, gate_data, k, dims), _weights(t, up_data, k, dims)
+    if g.shape[:-1] != u.shape[:-1] or g.device != u.device:
+        raise ValueError(f"gate {tuple(g.shape)} on {g.device} and up {tuple(u.shape)} on {u.device}: expected "
+                         "the same shape and device")
+    return g, u
+
+
+def _check_act(act: str) -> None:
+    if act != "silu":
+        raise ValueError(f"act: {act!r} is not supported (silu)")
+
+
+def _decode_args(t: GemvType, k: int) -> tuple[int, dict[str, Any]]:
+    """The chunk count of a row of k elements and the decoder's compile-time arguments."""
     nb = _chunk_blocks(t, k)
+    chunk_w = nb if t.dense_dtype is not None else nb * t.block_bytes  # elements of dense rows, bytes of packed
+    return k // (nb * t.block_elems), {
+        "DECODE": t.decode, "RANK": t.rank, "CHUNK_W": chunk_w, "CHUNK_X": nb * t.block_elems, "NB": nb}
+
+
+def _rows(t: GemvType, n_tok: int, block_n: int | None) -> int:
+    """Rows per program for n_tok tokens (see MULTI_TOKEN_ROWS)."""
     t_pad = triton.next_power_of_2(n_tok)
     if block_n is not None:
-        bn = max(2, block_n // t_pad)
-    elif n_tok == 1:
-        bn = t.block_n
+        return max(2, block_n // t_pad)
+    return t.block_n if n_tok == 1 else max(MULTI_TOKEN_ROWS, t.block_n // t_pad)
+
+
+def _warps(t: GemvType, n_tok: int, num_warps: int | None) -> int:
+    return num_warps or (t.num_warps if n_tok == 1 else MULTI_TOKEN_WARPS)
+
+
+def _table(t: GemvType, w: torch.Tensor) -> torch.Tensor:
+    return device_table(t.table, w.device) if t.table is not None else w
+
+
+def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None, out: torch.Tensor,
+            n: int, k: int, slots: int, n_tok: int, w_slot_stride: int, x_slot_stride: int,
+            out_slot_stride: int, block_n: int | None, num_warps: int | None,
+            up: torch.Tensor | None = None, up_slot_stride: int = 0, act: str = "silu") -> None:
+    """One launch of the plain kernel, or of the GLU kernel when `up` is given (w is then the gate)."""
+    if n == 0 or slots == 0 or n_tok == 0:
+        return
+    n_chunks, dec = _decode_args(t, k)
+    bn = _rows(t, n_tok, block_n)
+    consts = dict(dec, T=n_tok, T_PAD=triton.next_power_of_2(n_tok), HAS_IDS=ids is not None,
+                  num_warps=_warps(t, n_tok, num_warps))
+    ids = ids if ids is not None else w
+    if up is None:
+        _gemv_kernel[(triton.cdiv(n, bn), slots)](
+            x, w, ids, _table(t, w), out, n, n_chunks,
+            w.stride(-2), w_slot_stride, x.stride(0), x_slot_stride, out.stride(0), out_slot_stride,
+            BN=bn, **consts)
     else:
-        bn = max(MULTI_TOKEN_ROWS, t.block_n // t_pad)
-    nw = num_warps or (t.num_warps if n_tok == 1 else MULTI_TOKEN_WARPS)
-    tab = device_table(t.table, w.device) if t.table is not None else w
-    grid = (triton.cdiv(n, bn), slots)
-    _gemv_kernel[grid](
-        x, w, ids if ids is not None else w, tab, out,
-        n, k // (nb * t.block_elems),
-        w.stride(-2), w_slot_stride, x.stride(0), x_slot_stride, out.stride(0), out_slot_stride,
-        DECODE=t.decode, RANK=t.rank, CHUNK_W=nb if t.dense_dtype is not None else nb * t.block_bytes,
-        CHUNK_X=nb * t.block_elems, NB=nb, BN=bn, T=n_tok, T_PAD=t_pad,
-        HAS_IDS=ids is not None, num_warps=nw,
-    )
+        bn = max(2, bn // 2)  # rows of each matrix: the tile of gate and up rows is the plain kernel's
+        _glu_kernel[(triton.cdiv(n, bn), slots)](
+            x, w, up, ids, _table(t, w), out, n, n_chunks,
+            w.stride(-2), up.stride(-2), w_slot_stride, up_slot_stride, x.stride(0), x_slot_stride,
+            out.stride(0), out_slot_stride, BN=bn, ACT=act, **consts)
 
 
 def gemv(x: torch.Tensor, w_data: torch.Tensor, type_id: int | str, K: int, out: torch.Tensor | None = None,
-         *, block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """y = x W^T in fp32, W read from its stored rows.
+         out_dtype: torch.dtype = torch.float32, *, block_n: int | None = None, num_warps: int | None = None,
+         ) -> torch.Tensor:
+    """y = x W^T, accumulated in fp32, W read from its stored rows.
 
     x: (T, K) float32/float16/bfloat16, rows contiguous. w_data: (N, row_bytes) uint8 ggml blocks, or for
     F32/F16/BF16 the (N, K) typed tensor (or its uint8 view). type_id: ggml type id (or its name). out: optional
-    (T, N) float32 to write into. block_n, num_warps: rows (for one token; divided by T, rounded up to a power
-    of two, for more) and warps per program, to override the defaults (for tuning).
-    Tokens go 8 per launch."""
+    (T, N) float32/bfloat16/float16 to write into; else one of out_dtype is made. Either way the result equals
+    the fp32 result cast to out's dtype (one rounding, at the store). block_n, num_warps: rows (for one token;
+    divided by T, rounded up to a power of two, for more) and warps per program, to override the defaults (for
+    tuning). Tokens go 8 per launch."""
     t = gemv_type(type_id)
     w = _weights(t, w_data, K, 2)
     _check_x(x, K, w)
     n, n_tok = w.shape[0], x.shape[0]
-    out = _out(out, (n_tok, n), w.device)
+    out = _out(out, (n_tok, n), w.device, out_dtype)
     for t0 in range(0, n_tok, MAX_TOKENS):
         t1 = min(n_tok, t0 + MAX_TOKENS)
         _launch(t, x[t0:t1], w, None, out[t0:t1], n, K, 1, t1 - t0, 0, 0, 0, block_n, num_warps)
@@ -339,30 +505,113 @@ def gemv(x: torch.Tensor, w_data: torch.Tensor, type_id: int | str, K: int, out:
 
 
 def gemv_experts(x: torch.Tensor, w_data: torch.Tensor, expert_ids: torch.Tensor, type_id: int | str, K: int,
-                 out: torch.Tensor | None = None, *, block_n: int | None = None, num_warps: int | None = None,
-                 ) -> torch.Tensor:
+                 out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32, *,
+                 block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """out[i] = W[expert_ids[i]] x[i] (or x[0] for every i when x has one row), all k experts in one launch.
 
     w_data: (E, N, row_bytes) uint8 expert stack (or (E, N, K) typed for dense types). expert_ids: (k,) int32/int64
     on the weights' device, read by the kernel (no host sync); ids are trusted to lie in [0, E). x: (k, K) or
-    (1, K). out: optional (k, N) float32. block_n, num_warps: as for `gemv`."""
+    (1, K). out, out_dtype: (k, N), as for `gemv`. block_n, num_warps: as for `gemv`."""
     t = gemv_type(type_id)
     w = _weights(t, w_data, K, 3)
     _check_x(x, K, w)
-    if expert_ids.dim() != 1 or expert_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"expert_ids: expected a 1-D int32/int64 tensor, got {expert_ids.dtype} "
-                         f"{tuple(expert_ids.shape)}")
-    if expert_ids.device != w.device:
-        raise ValueError(f"expert_ids on {expert_ids.device}, weights on {w.device}")
+    _check_ids(expert_ids, w)
     k_sel, n = expert_ids.shape[0], w.shape[1]
     if x.shape[0] not in (1, k_sel):
         raise ValueError(f"x: {x.shape[0]} rows for {k_sel} experts (expected 1 or {k_sel})")
-    if expert_ids.stride(0) != 1:
-        raise ValueError("expert_ids: must be contiguous")
-    out = _out(out, (k_sel, n), w.device)
-    if k_sel == 0:
-        return out
+    out = _out(out, (k_sel, n), w.device, out_dtype)
     x_slot_stride = 0 if x.shape[0] == 1 else x.stride(0)
     _launch(t, x, w, expert_ids, out, n, K, k_sel, 1, w.stride(0), x_slot_stride, out.stride(0), block_n,
             num_warps)
+    return out
+
+
+def gemv_glu(x: torch.Tensor, gate_data: torch.Tensor, up_data: torch.Tensor, type_id: int | str, K: int,
+             out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32, act: str = "silu", *,
+             block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """y = act(x G^T) * (x U^T), the gate/up half of a gated MLP, in one launch per 8 tokens (not three).
+
+    gate_data, up_data: (I, row_bytes) each, of one storage type, as `gemv`'s w_data; two tensors or two views of
+    one buffer (each has its own row stride). x: (T, K). out, out_dtype: (T, I), as for `gemv`. act: "silu".
+    Rounding follows the model, which computes `act(linear(x, G)) * linear(x, U)` in its dtype dt (the output's):
+    both products are accumulated in fp32 and rounded to dt, act is computed in fp32 on the rounded gate and
+    rounded to dt, and their product rounded to dt, so the result is `F.silu(g.to(dt)) * u.to(dt)` evaluated in
+    dt, g and u being `gemv`'s fp32 results (up to the last bits of exp and of the division, and on the GPU the
+    fp32 summation order of the tile, which differs from `gemv`'s; under the interpreter g and u equal its).
+    block_n: rows per program of gate and up together (each gets half)."""
+    t = gemv_type(type_id)
+    _check_act(act)
+    g, u = _glu_weights(t, gate_data, up_data, K, 2)
+    _check_x(x, K, g)
+    n, n_tok = g.shape[0], x.shape[0]
+    out = _out(out, (n_tok, n), g.device, out_dtype)
+    for t0 in range(0, n_tok, MAX_TOKENS):
+        t1 = min(n_tok, t0 + MAX_TOKENS)
+        _launch(t, x[t0:t1], g, None, out[t0:t1], n, K, 1, t1 - t0, 0, 0, 0, block_n, num_warps, u, 0, act)
+    return out
+
+
+def gemv_experts_glu(x: torch.Tensor, gate_data: torch.Tensor, up_data: torch.Tensor, expert_ids: torch.Tensor,
+                     type_id: int | str, K: int, out: torch.Tensor | None = None,
+                     out_dtype: torch.dtype = torch.float32, act: str = "silu", *, block_n: int | None = None,
+                     num_warps: int | None = None) -> torch.Tensor:
+    """out[i] = act(G[e] x_i) * (U[e] x_i), e = expert_ids[i], x_i = x[i] (or x[0] when x has one row): the
+    gate/up half of all k routed experts in one launch.
+
+    gate_data, up_data: (E, I, row_bytes) stacks (or typed (E, I, K) for dense types) of one storage type.
+    expert_ids: (k,), as for `gemv_experts` (read on the device). out, out_dtype: (k, I). Rounding: as `gemv_glu`."""
+    t = gemv_type(type_id)
+    _check_act(act)
+    g, u = _glu_weights(t, gate_data, up_data, K, 3)
+    _check_x(x, K, g)
+    _check_ids(expert_ids, g)
+    k_sel, n = expert_ids.shape[0], g.shape[1]
+    if x.shape[0] not in (1, k_sel):
+        raise ValueError(f"x: {x.shape[0]} rows for {k_sel} experts (expected 1 or {k_sel})")
+    out = _out(out, (k_sel, n), g.device, out_dtype)
+    x_slot_stride = 0 if x.shape[0] == 1 else x.stride(0)
+    _launch(t, x, g, expert_ids, out, n, K, k_sel, 1, g.stride(0), x_slot_stride, out.stride(0), block_n,
+            num_warps, u, u.stride(0), act)
+    return out
+
+
+def gemv_experts_sum(x: torch.Tensor, w_data: torch.Tensor, expert_ids: torch.Tensor, slot_weights: torch.Tensor,
+                     type_id: int | str, K: int, out: torch.Tensor | None = None,
+                     out_dtype: torch.dtype = torch.float32, *, block_n: int | None = None,
+                     num_warps: int | None = None) -> torch.Tensor:
+    """out[t] = sum_j slot_weights[t, j] * (W[expert_ids[t, j]] x[t*k + j]): a MoE layer's down projections and
+    their weighted combination in one launch, without the (T*k, N) per-slot intermediate.
+
+    w_data: (E, N, row_bytes) expert stack, as for `gemv_experts`. expert_ids: (k,) for one token or (T, k),
+    int32/int64, contiguous, read on the device. slot_weights: the same shape, float32/bfloat16/float16 (read as
+    fp32). x: (T*k, K), slot s = t*k + j in row s. out, out_dtype: (T, N).
+    Each program adds its token's slots in order j = 0..k-1 into one fp32 accumulator (no atomics): the result is
+    bitwise the same on every run, as a CUDA-graph replay must equal the eager step. The reference
+    (`strata.kernels.ops.experts_blocks`) computes `(y.view(T, k, N) * top_w.float()[..., None]).sum(1).to(dtype)`
+    from the fp32 per-slot results y; this is the same per slot (fp32 row result times the fp32 weight, summed
+    over the slots, cast once), differing only where torch's sum orders the additions otherwise or the compiler
+    fuses a multiply and add (fp32 rounding). block_n, num_warps: as for `gemv` at one token."""
+    t = gemv_type(type_id)
+    w = _weights(t, w_data, K, 3)
+    _check_x(x, K, w)
+    _check_ids(expert_ids, w, (1, 2))
+    if slot_weights.shape != expert_ids.shape or slot_weights.dtype not in OUT_DTYPES:
+        raise ValueError(f"slot_weights: expected float32/bfloat16/float16 {tuple(expert_ids.shape)}, got "
+                         f"{slot_weights.dtype} {tuple(slot_weights.shape)}")
+    if slot_weights.device != w.device or not slot_weights.is_contiguous():
+        raise ValueError(f"slot_weights: expected contiguous on {w.device}, got on {slot_weights.device}")
+    ids2 = expert_ids.view(1, -1) if expert_ids.dim() == 1 else expert_ids
+    n_tok, k_sel = ids2.shape
+    n = w.shape[1]
+    if x.shape[0] != n_tok * k_sel:
+        raise ValueError(f"x: {x.shape[0]} rows for {n_tok} tokens x {k_sel} slots")
+    out = _out(out, (n_tok, n), w.device, out_dtype)
+    if n == 0 or n_tok == 0:
+        return out
+    n_chunks, dec = _decode_args(t, K)
+    bn = _rows(t, 1, block_n)
+    _sum_kernel[(triton.cdiv(n, bn), n_tok)](
+        x, w, expert_ids, slot_weights, _table(t, w), out, n, n_chunks, k_sel,
+        w.stride(-2), w.stride(0), x.stride(0), out.stride(0),
+        BN=bn, num_warps=_warps(t, 1, num_warps), **dec)
     return out
