@@ -45,6 +45,9 @@ from strata.kernels.gemv_tables import device_table
 MAX_TOKENS = 8
 """Tokens per launch: each has its own accumulator tile (unrolled in the kernel), so more tokens go in groups of 8."""
 
+SMALL_LAUNCH_ROWS = 4096
+"""Rows (matrix rows x slots) up to which a one-token launch uses its type's `small` shape."""
+
 MULTI_TOKEN_ROWS = 8
 MULTI_TOKEN_WARPS = 8
 """Launch shape for 2-8 tokens: max(8, block_n / T) rows, 8 warps. Each token adds an accumulator tile, so fewer
@@ -62,6 +65,8 @@ class GemvType:
     table: the lookup table the decode gathers from (`gemv_tables.device_table`), if any.
     block_n, num_warps: launch defaults for one token, rows and warps per program (several tokens: see
         MULTI_TOKEN_ROWS).
+    small: (rows, warps) for one token when a launch covers at most SMALL_LAUNCH_ROWS rows in all: there too few
+        programs stream too few bytes each, so fewer rows per program (more programs) win.
     dense_dtype: the element type of dense rows (None for block types).
     f16_fields: byte offsets of the fp16 scale fields in a block (for making random blocks with sane scales).
     """
@@ -76,13 +81,15 @@ class GemvType:
     table: str | None = None
     block_n: int = 16
     num_warps: int = 4
+    small: tuple[int, int] | None = None
     dense_dtype: torch.dtype | None = None
     f16_fields: tuple[int, ...] = ()
 
 
 _TYPE_LIST: tuple[GemvType, ...] = (
     # name, ggml id, block elems, block bytes, decoder, tile rank, max blocks per chunk, then rows/warps per program
-    # where not 16/4 (the fastest of a sweep at K=2560, N=8192, one token, on an H200)
+    # where not 16/4 (the fastest of a sweep at K=2560, N=8192, one token, on an H200; Q8_0 and Q4_K re-swept at
+    # N x K = 10240x2560, 2560x6144 and 640x2560 by tools/gemv_lab.py: more blocks per loop step, fewer rows)
     GemvType("F32", 0, 1, 4, gb.decode_dense, 2, 256, dense_dtype=torch.float32),
     GemvType("F16", 1, 1, 2, gb.decode_dense, 2, 512, dense_dtype=torch.float16),
     GemvType("BF16", 30, 1, 2, gb.decode_dense, 2, 512, dense_dtype=torch.bfloat16),
@@ -90,12 +97,13 @@ _TYPE_LIST: tuple[GemvType, ...] = (
     GemvType("Q4_1", 3, 32, 20, gb.decode_q4_1, 6, 8, num_warps=8, f16_fields=(0, 2)),
     GemvType("Q5_0", 6, 32, 22, gb.decode_q5_0, 5, 8, f16_fields=(0,)),
     GemvType("Q5_1", 7, 32, 24, gb.decode_q5_1, 6, 8, block_n=8, f16_fields=(0, 2)),
-    GemvType("Q8_0", 8, 32, 34, gb.decode_q8_0, 3, 8, block_n=8, f16_fields=(0,)),
+    GemvType("Q8_0", 8, 32, 34, gb.decode_q8_0, 3, 32, block_n=4, f16_fields=(0,)),
     GemvType("IQ4_NL", 20, 32, 18, gb.decode_iq4_nl, 4, 8, table="IQ4", f16_fields=(0,)),
     GemvType("Q2_0", 42, 64, 18, gb.decode_q2_0, 6, 4, f16_fields=(0,)),
     GemvType("Q2_K", 10, 256, 84, gb.decode_q2_k, 5, 1, f16_fields=(80, 82)),
     GemvType("Q3_K", 11, 256, 110, gb.decode_q3_k, 5, 1, num_warps=8, f16_fields=(108,)),
-    GemvType("Q4_K", 12, 256, 144, gb.decode_q4_k, 4, 1, block_n=32, num_warps=8, f16_fields=(0, 2)),
+    GemvType("Q4_K", 12, 256, 144, gb.decode_q4_k, 5, 2, block_n=8, num_warps=8, small=(2, 4),
+             f16_fields=(0, 2)),
     GemvType("Q5_K", 13, 256, 176, gb.decode_q5_k, 6, 1, block_n=8, f16_fields=(0, 2)),
     GemvType("Q6_K", 14, 256, 210, gb.decode_q6_k, 5, 1, block_n=8, f16_fields=(208,)),
     GemvType("IQ2_XXS", 16, 256, 66, gb.decode_iq2_xxs, 5, 1, table="IQ2_XXS", block_n=8, f16_fields=(0,)),
@@ -441,16 +449,26 @@ def _decode_args(t: GemvType, k: int) -> tuple[int, dict[str, Any]]:
         "DECODE": t.decode, "RANK": t.rank, "CHUNK_W": chunk_w, "CHUNK_X": nb * t.block_elems, "NB": nb}
 
 
-def _rows(t: GemvType, n_tok: int, block_n: int | None) -> int:
-    """Rows per program for n_tok tokens (see MULTI_TOKEN_ROWS)."""
+def _small(t: GemvType, n_tok: int, total_rows: int) -> bool:
+    return n_tok == 1 and t.small is not None and total_rows <= SMALL_LAUNCH_ROWS
+
+
+def _rows(t: GemvType, n_tok: int, block_n: int | None, total_rows: int = 1 << 30) -> int:
+    """Rows per program for n_tok tokens in a launch over total_rows rows (see MULTI_TOKEN_ROWS, `small`)."""
     t_pad = triton.next_power_of_2(n_tok)
     if block_n is not None:
         return max(2, block_n // t_pad)
+    if _small(t, n_tok, total_rows):
+        return t.small[0]
     return t.block_n if n_tok == 1 else max(MULTI_TOKEN_ROWS, t.block_n // t_pad)
 
 
-def _warps(t: GemvType, n_tok: int, num_warps: int | None) -> int:
-    return num_warps or (t.num_warps if n_tok == 1 else MULTI_TOKEN_WARPS)
+def _warps(t: GemvType, n_tok: int, num_warps: int | None, total_rows: int = 1 << 30) -> int:
+    if num_warps:
+        return num_warps
+    if _small(t, n_tok, total_rows):
+        return t.small[1]
+    return t.num_warps if n_tok == 1 else MULTI_TOKEN_WARPS
 
 
 def _table(t: GemvType, w: torch.Tensor) -> torch.Tensor:
@@ -465,9 +483,9 @@ def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | N
     if n == 0 or slots == 0 or n_tok == 0:
         return
     n_chunks, dec = _decode_args(t, k)
-    bn = _rows(t, n_tok, block_n)
+    bn = _rows(t, n_tok, block_n, n * slots)
     consts = dict(dec, T=n_tok, T_PAD=triton.next_power_of_2(n_tok), HAS_IDS=ids is not None,
-                  num_warps=_warps(t, n_tok, num_warps))
+                  num_warps=_warps(t, n_tok, num_warps, n * slots))
     ids = ids if ids is not None else w
     if up is None:
         _gemv_kernel[(triton.cdiv(n, bn), slots)](

@@ -246,15 +246,37 @@ def _k4_scales(rp, c):
 
 
 @triton.jit
+def _k4_scale_min_nb(sp, s):
+    """`_k4_scale_min` of NB super-blocks at once: sp [BN, NB] pointers, s a [4] tile of sub-block ids; two
+    [BN, NB, 4, 1] fp32 tiles."""
+    j = (s & 3)[None, None, :, None]
+    low = (s < 4)[None, None, :, None]
+    p = sp[:, :, None, None] + j
+    b0 = _u8(p)
+    b4 = _u8(p + 4)
+    b8 = _u8(p + 8)
+    sc = tl.where(low, b0 & 63, (b8 & 15) | ((b0 >> 6) << 4))
+    mn = tl.where(low, b4 & 63, (b8 >> 4) | ((b4 >> 6) << 4))
+    return _i2f(sc, 0.0), _i2f(mn, 0.0)
+
+
+@triton.jit
 def decode_q4_k(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
     """Q4_K: {fp16 d, dmin; scales[12]; qs[128]}; 32-byte group c holds sub-block 2c (low nibbles) and 2c+1
-    (high); w = d sc q - dmin m. [BN, 4 = c, 32, 2 = nibble]."""
+    (high); w = d sc q - dmin m. NB super-blocks per chunk (more bytes in flight per loop step: the K loop of a
+    short matrix is latency-bound otherwise). [BN, NB, 4 = c, 32, 2 = nibble]."""
+    s = tl.arange(0, NB)
     c = tl.arange(0, 4)
     i = tl.arange(0, 32)
-    qb = _u8(rp[:, None, None] + 16 + (c[:, None] * 32 + i[None, :])[None, :, :])
-    sl, ml, sh, mh = _k4_scales(rp, c)
-    base = c[:, None] * 64 + i[None, :]
-    return tl.join(_i2f(qb & 15, 0.0) * sl - ml, _i2f(qb >> 4, 0.0) * sh - mh), tl.join(base, base + 32)
+    bp = rp[:, None] + s[None, :] * 144
+    qb = _u8(bp[:, :, None, None] + 16 + (c[:, None] * 32 + i[None, :])[None, None, :, :])
+    sl, ml = _k4_scale_min_nb(bp + 4, 2 * c)
+    sh, mh = _k4_scale_min_nb(bp + 4, 2 * c + 1)
+    d = _f16(bp)[:, :, None, None]
+    dm = _f16(bp + 2)[:, :, None, None]
+    base = s[:, None, None] * 256 + c[None, :, None] * 64 + i[None, None, :]
+    return (tl.join(_i2f(qb & 15, 0.0) * (d * sl) - dm * ml, _i2f(qb >> 4, 0.0) * (d * sh) - dm * mh),
+            tl.join(base, base + 32))
 
 
 @triton.jit
