@@ -32,7 +32,8 @@ import strata.kernels.gemv_blocks as _blocks
 import strata.kernels.ops as _kops
 from strata.kernels import gemv_tables
 from strata.model.experts import experts_ref
-from strata.model.ops import Ops, linear_ref
+from strata.model.ops import Ops, linear_ref, linears_ref, mlp_ref
+from strata.runtime import placement
 from strata.weights import quants
 from strata.weights.quant_tensor import QuantTensor
 from strata.weights.tensor import DenseTensor
@@ -237,3 +238,80 @@ def test_triton_ops_replaces_only_its_entries() -> None:
     assert K_OPS.triton_ops().gdn_core is Ops().gdn_core
     assert K_OPS.stored_rows(DenseTensor("d", torch.zeros(2, 3, dtype=torch.int32))) is None
 
+
+
+def test_fuse_rows_stores_groups_back_to_back() -> None:
+    rng = np.random.default_rng(9)
+    parts = [QuantTensor(n, random_blocks("Q8_0", r, 256, rng), 8, (r, 256)) for n, r in (("q", 12), ("z", 6),
+                                                                                          ("b", 3))]
+    fused = placement.fuse_rows(parts)
+    assert [t.name for t in fused] == ["q", "z", "b"]
+    assert all(torch.equal(a.data, b.data) for a, b in zip(parts, fused, strict=True))
+    span = K_OPS.adjacent_span([t.data for t in fused])
+    assert span is not None and torch.equal(span, torch.cat([t.data for t in parts]))
+    assert K_OPS.adjacent_span([t.data for t in parts]) is None  # three separate buffers
+    assert K_OPS.adjacent_span([fused[1].data, fused[0].data]) is None  # out of order
+    mixed = [parts[0], DenseTensor("d", torch.randn(4, 256))]
+    assert placement.fuse_rows(mixed) is mixed  # different storage types stay apart
+
+
+def test_linears_triton_runs_a_fused_group_as_one_gemv(monkeypatch) -> None:
+    rng = np.random.default_rng(10)
+    parts = [QuantTensor(n, random_blocks("Q4_K", r, 512, rng), 12, (r, 512)) for n, r in (("q", 10), ("k", 4),
+                                                                                           ("v", 4))]
+    fused = placement.fuse_rows(parts)
+    biases = [None, DenseTensor("kb", torch.randn(4)), None]
+    launches = []
+    real = K_OPS.gemv
+    monkeypatch.setattr(K_OPS, "gemv", lambda *a, **k: (launches.append(1), real(*a, **k))[1])
+    monkeypatch.setattr(K_OPS, "_on_gpu", lambda x: True)  # run the CUDA entries under the interpreter
+    gen = torch.Generator().manual_seed(10)
+    for rows in (1, 3):
+        x = torch.randn(rows, 512, generator=gen)
+        launches.clear()
+        outs = K_OPS.linears_triton(x, fused, biases, K_OPS.linear_triton)
+        assert len(launches) == 1
+        for got, want in zip(outs, linears_ref(x, parts, biases, linear_ref), strict=True):
+            assert got.shape == want.shape and got.is_contiguous()
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+    launches.clear()
+    K_OPS.linears_triton(x, parts, biases, K_OPS.linear_triton)  # not adjacent: one GEMV per weight
+    assert len(launches) == 3
+
+
+def test_mlp_triton_fuses_gate_and_up(monkeypatch) -> None:
+    rng = np.random.default_rng(11)
+    gate = QuantTensor("g", random_blocks("Q8_0", 32, 256, rng), 8, (32, 256))
+    up = QuantTensor("u", random_blocks("Q8_0", 32, 256, rng), 8, (32, 256))
+    down = QuantTensor("d", random_blocks("Q8_0", 256, 32, rng), 8, (256, 32))
+    monkeypatch.setattr(K_OPS, "_on_gpu", lambda x: True)
+    glu_calls = []
+    real = K_OPS.gemv_glu
+    monkeypatch.setattr(K_OPS, "gemv_glu", lambda *a, **k: (glu_calls.append(1), real(*a, **k))[1])
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(11))
+    got = K_OPS.mlp_triton(x, gate, up, down, K_OPS.linear_triton)
+    want = mlp_ref(x, gate, up, down, linear_ref)
+    assert glu_calls and torch.allclose(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["tiny", "nople"])
+def test_model_decode_with_fused_groups(name, tmp_path, monkeypatch) -> None:
+    """The whole model with every GEMV entry (grouped projections, GLU shared expert) and the fused kernels,
+    over weights placed as `place` leaves them on a GPU (groups back to back), equals the reference."""
+    from strata.kernels.fused import fused_ops
+    from strata.runtime.engine import Engine
+    from strata.weights.hf import load_hf
+    from tests import reference
+
+    weights = load_hf(reference.save(reference.build(name), tmp_path))
+    fused = placement.fuse_groups(weights)
+    assert K_OPS.adjacent_span([fused["L0.gdn." + n].tensor for n in ("qkv", "z", "b", "a")]) is not None
+    launches = []
+    real = K_OPS.gemv
+    monkeypatch.setattr(K_OPS, "gemv", lambda *a, **k: (launches.append(1), real(*a, **k))[1])
+    monkeypatch.setattr(K_OPS, "_on_gpu", lambda x: True)
+    ref = Engine(weights)
+    fast = Engine(fused, ops=fused_ops(K_OPS.triton_ops(), force=True))
+    ids = torch.randint(2, ref.cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(6)).tolist()
+    reference.assert_decodes_match(ref, fast, ids, prompt=4, capacity=16)
+    assert launches

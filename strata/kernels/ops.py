@@ -1,31 +1,35 @@
-"""Op-table entries backed by the Triton GEMV: `linear` and `experts` read weights as stored.
+"""Op-table entries backed by the Triton GEMV: `linear`, `linears`, `mlp` and `experts` read weights as stored.
 
-`triton_ops(base)` returns `base` (default: the reference `Ops()`) with two entries swapped:
+`triton_ops(base)` returns `base` (default: the reference `Ops()`) with these entries swapped:
 
 * `linear_triton(x, w, bias)`: y = x W^T (+ b) straight from W's stored rows (ggml blocks of a QuantTensor, or
   the F32/F16/BF16 tensor of a DenseTensor) when x is on a CUDA device, W's bytes already live there and W's
   type has a kernel. Anything else goes to `linear_ref`, as do inputs of more rows than one launch takes for
   dense weights and than `GEMV_MAX_ROWS` for quantized ones (prefill): there one cuBLAS matmul (after
   dequantizing once on the device) beats reading the weights once per 8 rows.
-* `experts_triton(a, top_i, top_w, gate, up, down, linear)`: the routed experts of a MoE layer in three launches
-  (gate, up, down over all L*k selected slots) with the expert ids never leaving the device, so a decode step
-  can be captured in a CUDA graph. Other inputs go to the reference (`experts_gather`, the capturable twin, while
-  a graph is being captured).
+* `linears_triton(x, ws, biases, linear)`: weights stored back to back (`placement.fuse_rows`) as one GEMV.
+* `mlp_triton(x, gate, up, down, linear)`: gate/up/SiLU as one GEMV launch, then down.
+* `experts_triton(a, top_i, top_w, gate, up, down, linear)`: the routed experts of a MoE layer in two launches
+  (gate/up/SiLU over all L*k selected slots; down plus the weighted sum over each token's slots) with the expert
+  ids never leaving the device, so a decode step can be captured in a CUDA graph. Other inputs go to the
+  reference (`experts_gather`, the capturable twin, while a graph is being captured).
 
-Both return x's dtype, computed in fp32. A stored tensor exposes its raw rows as `DenseTensor.tensor` or as a
+All return x's dtype, computed in fp32 and rounded where the reference rounds. A stored tensor exposes its raw rows as `DenseTensor.tensor` or as a
 uint8 `data` tensor of shape (*shape[:-1], row_bytes) with `kind` = the ggml type name (QuantTensor).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from strata.kernels.gemv import GEMV_TYPE_NAMES, MAX_TOKENS, gemv, gemv_experts
+from strata.kernels.gemv import (GEMV_TYPE_NAMES, MAX_TOKENS, OUT_DTYPES, gemv, gemv_experts, gemv_experts_glu,
+                                 gemv_experts_sum, gemv_glu)
 from strata.model.experts import experts_gather, experts_ref
-from strata.model.ops import Ops, linear_ref
+from strata.model.ops import Ops, linear_ref, linears_ref, mlp_ref
 from strata.weights.tensor import DenseTensor, StoredTensor
 
 GEMV_MAX_ROWS = 32
@@ -67,6 +71,9 @@ def linear_blocks(x: torch.Tensor, data: torch.Tensor, kind: str, bias: StoredTe
     """y = x W^T (+ b) by the GEMV from W's raw rows `data` of type `kind`; x (..., K) -> (..., N) in x's dtype.
     No device check: the caller decides (the tests run it on the CPU under the Triton interpreter)."""
     k = x.shape[-1]
+    if bias is None and x.dtype in OUT_DTYPES:  # rounded to x's dtype at the store: no cast launch
+        y = gemv(_as_x(x, k), data, kind, k, out_dtype=x.dtype)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
     y = gemv(_as_x(x, k), data, kind, k)
     if bias is not None:
         y += bias.dense(torch.float32, y.device)
@@ -76,13 +83,74 @@ def linear_blocks(x: torch.Tensor, data: torch.Tensor, kind: str, bias: StoredTe
 def linear_triton(x: torch.Tensor, w: StoredTensor, bias: StoredTensor | None = None) -> torch.Tensor:
     """`Ops.linear`: the GEMV from W's stored rows when it applies (see the module docstring), else
     `linear_ref`."""
-    if x.is_cuda and len(w.shape) == 2 and x.shape[-1] == w.shape[1] and x.shape[-1] > 0:
-        raw = stored_rows(w)
-        rows = x.numel() // x.shape[-1]
-        limit = MAX_TOKENS if isinstance(w, DenseTensor) else GEMV_MAX_ROWS
-        if raw is not None and raw[0].device == x.device and rows <= limit:
-            return linear_blocks(x, raw[0], raw[1], bias)
+    raw = _gemv_ok(x, w, GEMV_MAX_ROWS)
+    if raw is not None:
+        return linear_blocks(x, raw[0], raw[1], bias)
     return linear_ref(x, w, bias)
+
+
+def _on_gpu(x: torch.Tensor) -> bool:
+    """Whether x's device runs the kernels (compiled Triton needs CUDA; the tests patch this to run the entries
+    under the interpreter on the CPU)."""
+    return x.is_cuda
+
+
+def _gemv_ok(x: torch.Tensor, w: StoredTensor, rows_limit: int) -> tuple[torch.Tensor, str] | None:
+    """W's raw rows when x (on CUDA) can go through the GEMV with them, else None."""
+    if not (_on_gpu(x) and len(w.shape) == 2 and x.shape[-1] == w.shape[1] and x.shape[-1] > 0):
+        return None
+    raw = stored_rows(w)
+    rows = x.numel() // x.shape[-1]
+    limit = min(rows_limit, MAX_TOKENS) if isinstance(w, DenseTensor) else rows_limit
+    if raw is None or raw[0].device != x.device or rows > limit:
+        return None
+    return raw
+
+
+def adjacent_span(raws: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One (sum of rows, width) view over 2-D row blocks that lie back to back in one storage (as
+    `strata.runtime.placement.fuse_rows` leaves them), else None."""
+    first = raws[0]
+    rows = 0
+    for r in raws:
+        if (r.dim() != 2 or r.dtype != first.dtype or r.shape[1] != first.shape[1] or r.stride() != first.stride()
+                or r.stride(1) != 1 or r.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or r.data_ptr() != first.data_ptr() + rows * first.stride(0) * first.element_size()):
+            return None
+        rows += r.shape[0]
+    return first.as_strided((rows, first.shape[1]), first.stride())
+
+
+def linears_triton(x: torch.Tensor, ws: Sequence[StoredTensor], biases: Sequence[StoredTensor | None],
+                   linear: Callable) -> list[torch.Tensor]:
+    """`Ops.linears`: weights of one type stored back to back run as one GEMV (one launch, x read once), the
+    outputs returned as column slices; otherwise one `linear` each."""
+    raws = [_gemv_ok(x, w, GEMV_MAX_ROWS) for w in ws]
+    if len(ws) > 1 and all(r is not None and r[1] == raws[0][1] for r in raws):
+        span = adjacent_span([r[0] for r in raws])
+        if span is not None:
+            y = linear_blocks(x, span, raws[0][1])
+            outs, col = [], 0
+            for w, b in zip(ws, biases, strict=True):
+                part = y[..., col:col + w.shape[0]]
+                col += w.shape[0]
+                if x.numel() != x.shape[-1]:
+                    part = part.contiguous()
+                outs.append(part if b is None else part + b.dense(part.dtype, part.device))
+            return outs
+    return linears_ref(x, ws, biases, linear)
+
+
+def mlp_triton(x: torch.Tensor, gate: StoredTensor, up: StoredTensor, down: StoredTensor,
+               linear: Callable) -> torch.Tensor:
+    """`Ops.mlp`: gate, up and SiLU in one GEMV launch (`gemv_glu`) when both are GEMV-readable and of one type,
+    then `linear` for down; else the reference composition."""
+    g, u = _gemv_ok(x, gate, MAX_TOKENS), _gemv_ok(x, up, MAX_TOKENS)
+    if g is not None and u is not None and g[1] == u[1] and x.dtype in OUT_DTYPES:
+        k = x.shape[-1]
+        h = gemv_glu(_as_x(x, k), g[0], u[0], g[1], k, out_dtype=x.dtype)
+        return linear(h.reshape(*x.shape[:-1], h.shape[-1]), down)
+    return mlp_ref(x, gate, up, down, linear)
 
 
 def experts_blocks(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
@@ -101,6 +169,12 @@ def experts_blocks(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
     x = _as_x(a, h_dim)
     if n_tok > 1:
         x = x.repeat_interleave(k, dim=0)
+    if gate[1] == up[1] and a.dtype in OUT_DTYPES:
+        # gate/up/SiLU in one launch, down and the weighted sum over slots in another
+        h = gemv_experts_glu(x, gate[0], up[0], ids, gate[1], h_dim, out_dtype=a.dtype)
+        w = top_w if top_w.dtype in OUT_DTYPES else top_w.float()
+        return gemv_experts_sum(h, down[0], top_i.reshape(n_tok, k).to(ids.dtype).contiguous(),
+                                w.reshape(n_tok, k).contiguous(), down[1], i_dim, out_dtype=a.dtype)
     g = gemv_experts(x, gate[0], ids, gate[1], h_dim)
     u = gemv_experts(x, up[0], ids, up[1], h_dim)
     y = gemv_experts(F.silu(g) * u, down[0], ids, down[1], i_dim)
@@ -121,5 +195,7 @@ def experts_triton(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, ga
 
 
 def triton_ops(base: Ops | None = None) -> Ops:
-    """`base` (default `Ops()`) with `linear` and `experts` run by the Triton GEMV; other entries unchanged."""
-    return dataclasses.replace(base or Ops(), linear=linear_triton, experts=experts_triton)
+    """`base` (default `Ops()`) with `linear`, `linears`, `mlp` and `experts` run by the Triton GEMV; other
+    entries unchanged."""
+    return dataclasses.replace(base or Ops(), linear=linear_triton, linears=linears_triton, mlp=mlp_triton,
+                               experts=experts_triton)

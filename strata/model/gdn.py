@@ -126,6 +126,6 @@ def gdn_layer(a: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, state: 
     prm = GDNParams(w[p + "conv"].dense(a.dtype, dev), w[p + "A"].dense(torch.float32, dev),
                     w[p + "dt_bias"].dense(torch.float32, dev), w[p + "norm"].dense(torch.float32, dev),
                     w.gdn_value_order)
-    o = ops.gdn_core(ops.linear(a, w[p + "qkv"]), ops.linear(a, w[p + "z"]), ops.linear(a, w[p + "b"]),
-                     ops.linear(a, w[p + "a"]), prm, state, cfg)
+    qkv, z, b, alpha = ops.linears(a, [w[p + n] for n in ("qkv", "z", "b", "a")], [None] * 4, ops.linear)
+    o = ops.gdn_core(qkv, z, b, alpha, prm, state, cfg)
     return ops.linear(o, w[p + "out"])

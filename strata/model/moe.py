@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from strata.config import ModelConfig
 from strata.model import topk
@@ -30,22 +29,12 @@ def moe_combine_ref(routed: torch.Tensor, gate_logit: torch.Tensor, shared: torc
     return routed + torch.sigmoid(gate_logit) * shared
 
 
-def route(a: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, ops: Ops,
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router linear, then `ops.route`. Returns (expert ids (L, k), weights (L, k) in a's dtype)."""
-    logits = ops.linear(a, w[f"L{layer}.moe.router"])
-    return ops.route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-
-
-def expert_mlp(x: torch.Tensor, gate: object, up: object, down: object, ops: Ops) -> torch.Tensor:
-    """SiLU-gated MLP: down(silu(gate x) * up x)."""
-    return ops.linear(F.silu(ops.linear(x, gate)) * ops.linear(x, up), down)
-
-
 def moe_layer(a: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, ops: Ops) -> torch.Tensor:
-    """Routed experts + sigmoid-gated shared expert, (L, H) -> (L, H)."""
+    """Routed experts + sigmoid-gated shared expert, (L, H) -> (L, H). The router and the shared expert's gate
+    read the same input, so they go through one `linears` call."""
     p = f"L{layer}.moe."
-    top_i, top_w = route(a, w, layer, cfg, ops)
+    logits, gate_logit = ops.linears(a, [w[p + "router"], w[p + "sh_gate_inp"]], [None, None], ops.linear)
+    top_i, top_w = ops.route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     routed = ops.experts(a, top_i, top_w, w[p + "gate_exps"], w[p + "up_exps"], w[p + "down_exps"], ops.linear)
-    shared = expert_mlp(a, w[p + "sh_gate"], w[p + "sh_up"], w[p + "sh_down"], ops)
-    return ops.moe_combine(routed, ops.linear(a, w[p + "sh_gate_inp"]), shared)
+    shared = ops.mlp(a, w[p + "sh_gate"], w[p + "sh_up"], w[p + "sh_down"], ops.linear)
+    return ops.moe_combine(routed, gate_logit, shared)

@@ -7,7 +7,7 @@ dequantizing stored weights on use.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +29,19 @@ def linear_ref(x: torch.Tensor, w: StoredTensor, bias: StoredTensor | None = Non
     return F.linear(x, w.dense(x.dtype, x.device), b)
 
 
+def linears_ref(x: torch.Tensor, ws: Sequence[StoredTensor], biases: Sequence[StoredTensor | None],
+                linear: Callable) -> list[torch.Tensor]:
+    """x through several weights that read the same x: [linear(x, w, b) for each]. A fast backend runs weights
+    stored side by side (see `strata.runtime.placement.fuse_rows`) as one matrix."""
+    return [linear(x, w, b) for w, b in zip(ws, biases, strict=True)]
+
+
+def mlp_ref(x: torch.Tensor, gate: StoredTensor, up: StoredTensor, down: StoredTensor,
+            linear: Callable) -> torch.Tensor:
+    """SiLU-gated MLP, each product rounded to x's dtype: down(silu(gate x) * up x)."""
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+
+
 def embed_ref(ids: torch.Tensor, table: StoredTensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows of an embedding table."""
     return table.rows(ids, dtype)
@@ -39,6 +52,8 @@ class Ops:
     """Replaceable operations. Each field has the signature of its `*_ref` twin."""
 
     linear: Callable = linear_ref
+    linears: Callable = linears_ref  # (x, [w...], [bias|None...], linear) -> [y...]
+    mlp: Callable = mlp_ref  # (x, gate, up, down, linear) -> (L, H)
     embed: Callable = embed_ref
     attend: Callable = attend_ref  # (q, qsa_state, idx, ok, cfg) -> (L, Hq*hd)
     experts: Callable = experts_ref  # (a, top_i, top_w, gate, up, down, linear) -> (L, H)

@@ -138,22 +138,24 @@ def qsa_layer(a: torch.Tensor, positions: torch.Tensor, rope: Rope, n_keys: int,
     state.reserve(n_keys)
     cos, sin = rope.cos, rope.sin
 
+    # The five projections of `a` in one `linears` call (one launch where they are stored side by side).
+    names = ("idx.q", "idx.k", "attn.q", "attn.k", "attn.v")
+    biases = [None, None] + [w.get(p + n + "_bias") for n in ("attn.q", "attn.k", "attn.v")]
+    qi, ki, qg, k, v = ops.linears(a, [w[p + n] for n in names], biases, ops.linear)
+
     # Indexer: raw keys cached; pooled keys for every block this call completes; selection.
-    qi = ops.linear(a, w[p + "idx.q"]).reshape(L, hi, di)
-    qi = ops.norm_rope(qi, w[p + "idx.q_norm"].dense(torch.float32, dev), cos, sin, eps)
-    state.idx_raw.index_copy_(0, positions, ops.linear(a, w[p + "idx.k"]))
+    qi = ops.norm_rope(qi.reshape(L, hi, di), w[p + "idx.q_norm"].dense(torch.float32, dev), cos, sin, eps)
+    state.idx_raw.index_copy_(0, positions, ki)
     update_blocks(state, positions, rope, w[p + "idx.k_norm"].dense(torch.float32, dev), cfg, static,
                   ops.norm_rope)
     idx, ok = ops.select_tokens(qi, state.idx_blocks[: n_keys // c], positions, cfg)
 
     # Main attention over the selected rows.
-    qg = ops.linear(a, w[p + "attn.q"], w.get(p + "attn.q_bias")).reshape(L, hq, 2 * hd)
+    qg = qg.reshape(L, hq, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:].reshape(L, hq * hd)
     q = ops.norm_rope(q, w[p + "attn.q_norm"].dense(torch.float32, dev), cos, sin, eps)
-    k = ops.linear(a, w[p + "attn.k"], w.get(p + "attn.k_bias")).reshape(L, hkv, hd)
-    k = ops.norm_rope(k, w[p + "attn.k_norm"].dense(torch.float32, dev), cos, sin, eps)
-    v = ops.linear(a, w[p + "attn.v"], w.get(p + "attn.v_bias")).reshape(L, hkv, hd)
+    k = ops.norm_rope(k.reshape(L, hkv, hd), w[p + "attn.k_norm"].dense(torch.float32, dev), cos, sin, eps)
     state.k.index_copy_(0, positions, k)
-    state.v.index_copy_(0, positions, v)
+    state.v.index_copy_(0, positions, v.reshape(L, hkv, hd))
     o = ops.attend(q, state, idx, ok, cfg) * torch.sigmoid(gate)
     return ops.linear(o, w[p + "attn.o"], w.get(p + "attn.o_bias"))

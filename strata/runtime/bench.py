@@ -88,7 +88,7 @@ class StageTimes:
     _layer_kind: str = "-"
 
 
-_OP_STAGES = {"attend": "qsa.attend", "select_tokens": "qsa.select", "gdn_core": "gdn.core", "hc_read": "hc",
+_OP_STAGES = {"mlp": "shared", "attend": "qsa.attend", "select_tokens": "qsa.select", "gdn_core": "gdn.core", "hc_read": "hc",
               "route": "router", "moe_combine": "shared", "norm_rope": "qsa.norm_rope", "hc_write": "hc",
               "ple_mix": "ple"}
 
@@ -106,6 +106,8 @@ def timed_ops(base: Ops, cfg: ModelConfig, times: StageTimes, replays: int = 20)
 
     def kind_from(args) -> str | None:
         for a in args:
+            if isinstance(a, list) and a:
+                a = a[0]
             name = getattr(a, "name", None)
             if isinstance(name, str) and (m := re.match(r"L(\d+)\.", name)):
                 return "gdn" if cfg.is_linear(int(m.group(1))) else "qsa"
@@ -144,6 +146,8 @@ def timed_ops(base: Ops, cfg: ModelConfig, times: StageTimes, replays: int = 20)
         fn = getattr(base, f.name)
         if f.name == "linear":
             entries[f.name] = wrap(fn, lambda args: _stage_of_linear(args[1].name))
+        elif f.name == "linears":
+            entries[f.name] = wrap(fn, lambda args: _stage_of_linear(args[1][0].name))
         else:
             entries[f.name] = wrap(fn, _OP_STAGES.get(f.name, f.name))
     return Ops(**entries)

@@ -12,10 +12,45 @@ import torch
 
 from strata.errors import StrataError
 from strata.model.ops import Ops
+from strata.weights.quant_tensor import QuantTensor
 from strata.weights.schema import Weights
 from strata.weights.tensor import DenseTensor, StackedTensor, StoredTensor
 
 HOST_RESIDENT = ("ple.table",)
+
+FUSED_GROUPS = (("gdn.qkv", "gdn.z", "gdn.b", "gdn.a"),
+                ("idx.q", "idx.k", "attn.q", "attn.k", "attn.v"),
+                ("moe.router", "moe.sh_gate_inp"))
+"""Per-layer weights that read the same input; `place` stores each group's rows back to back so `Ops.linears`
+runs the group as one GEMV (one launch instead of up to five)."""
+
+
+def _raw(t: StoredTensor) -> torch.Tensor | None:
+    """The 2-D raw rows of a dense or quantized 2-D tensor (what `fuse_rows` can concatenate), else None."""
+    if len(t.shape) != 2:
+        return None
+    if isinstance(t, DenseTensor):
+        return t.tensor
+    data = getattr(t, "data", None)
+    return data if isinstance(t, QuantTensor) and isinstance(data, torch.Tensor) else None
+
+
+def fuse_rows(parts: list[StoredTensor]) -> list[StoredTensor]:
+    """The parts re-made as row views of one new buffer, in order, when they share storage type, row width and
+    device (else unchanged). Same bytes, same values: only their placement in memory changes."""
+    raws = [_raw(t) for t in parts]
+    if any(r is None for r in raws) or len({(t.kind, r.shape[1], r.dtype, r.device)
+                                            for t, r in zip(parts, raws, strict=True)}) != 1:
+        return parts
+    buf = torch.cat(raws)
+    out: list[StoredTensor] = []
+    row = 0
+    for t, r in zip(parts, raws, strict=True):
+        view = buf[row:row + r.shape[0]]
+        row += r.shape[0]
+        out.append(DenseTensor(t.name, view) if isinstance(t, DenseTensor)
+                   else QuantTensor(t.name, view, t.type_id, t.shape))
+    return out
 
 
 def place(w: Weights, device: torch.device | str) -> Weights:
@@ -33,7 +68,18 @@ def place(w: Weights, device: torch.device | str) -> Weights:
             moved[name] = DenseTensor(name, torch.stack([p.tensor.to(device) for p in t.parts]))
         else:
             moved[name] = t.to(device)
-    return Weights(w.cfg, moved, w.gdn_value_order, w.source, w.unknown)
+    return fuse_groups(Weights(w.cfg, moved, w.gdn_value_order, w.source, w.unknown))
+
+
+def fuse_groups(w: Weights) -> Weights:
+    """The weight set with every FUSED_GROUPS group of every layer stored back to back (`fuse_rows`)."""
+    tensors = dict(w.tensors)
+    for i in range(w.cfg.num_hidden_layers):
+        for group in FUSED_GROUPS:
+            names = [f"L{i}.{n}" for n in group]
+            if all(n in tensors for n in names):
+                tensors.update(zip(names, fuse_rows([tensors[n] for n in names]), strict=True))
+    return Weights(w.cfg, tensors, w.gdn_value_order, w.source, w.unknown)
 
 
 def fast_ops(base: Ops | None = None) -> Ops:

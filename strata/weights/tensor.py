@@ -66,17 +66,32 @@ _KIND_OF = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 class DenseTensor(StoredTensor):
     """A plain torch tensor (possibly a zero-copy view of a memory-mapped file)."""
 
+    SMALL = 1 << 16
+    """Elements up to which a converted copy (another dtype or device) is kept for the next call: the norms,
+    conv kernels and gate vectors a decode step converts once per layer would otherwise be converted on every
+    step (a kernel launch each)."""
+
     def __init__(self, name: str, tensor: torch.Tensor):
         self.name = name
         self.tensor = tensor
         self.shape = tuple(tensor.shape)
         self.kind = _KIND_OF.get(tensor.dtype, str(tensor.dtype).removeprefix("torch."))
+        self._converted: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def dense(self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
         t = self.tensor
-        if device is not None and t.device != torch.device(device):
-            t = t.to(device)
-        return t if t.dtype == dtype else t.to(dtype)
+        dev = t.device if device is None else torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if t.dtype == dtype and t.device == dev:
+            return t
+        key = (dtype, dev)
+        if key in self._converted:
+            return self._converted[key]
+        out = t.to(dev).to(dtype)
+        if t.numel() <= self.SMALL and not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            self._converted[key] = out
+        return out
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.tensor[index.to(self.tensor.device)].to(dtype)
