@@ -1,20 +1,31 @@
 """Fused hyper-connection read for one token: the twin of `strata.model.hyper.hc_read_ref` for L == 1.
 
-The read is two dependent GEMVs over S*H = 10240 inputs at the real geometry (down (320, 10240) and up
-(10240, 320), BF16, 6.5 MB each) with a grouped RMSNorm in front and a gated stream mean behind; it runs 80
-times per token, so its cost is the weight bytes. The reference materialises the normalised state and three
-GEMV outputs and launches ~15 kernels; here there are two launches:
+The read is two dependent GEMVs over S*H inputs (at the real geometry S*H = 10240: W_down (320, 10240) and
+W_up (10240, 320), BF16, 6.5 MB each) with a grouped RMSNorm in front and a gated stream mean behind. It runs
+~100 times per token. 6.5 MB is only about two bandwidth-latency products of an H200's memory (~4.8 TB/s x
+~0.7 us), so a launch approaches the bandwidth floor only if every program issues all its weight loads at once,
+early, and nothing is serialised behind them. Two launches:
 
-1. `_hc_down_kernel`: every program recomputes the per-stream RMS statistics of x (20 KB, L2-resident),
-   then streams BR rows of W_down (or, for the last programs, of W_inject) against the normalised state
-   built on the fly, and applies SiLU(. / S) (or 2 sigma(. / S)). Program 0 also writes the S inverse RMS
-   values so the second launch need not recompute them.
-2. `_hc_up_kernel`: each program takes BH output features, computes their S gate rows sigma(W_up m) and the
-   gated mean over streams of the normalised state.
+1. `_hc_down_kernel`, grid (row blocks, S * K chunks per stream): program (b, c) loads one [BR, BK] tile of
+   W_down (the last row blocks: W_inject) inside one stream s, 16-byte vectors along contiguous K, together with
+   its inputs and norm scales and its stream's x (H values, L2-resident) for the stream's inverse RMS, and
+   writes the fp32 dot products of its rows with the normalised chunk to `part[chunk, row]`. Splitting K is what
+   gives the launch several hundred programs of 16-32 KB each while keeping rows per program high: every row
+   block re-reads the chunk inputs and fp32 norm scales (6 bytes per input), so thin row blocks over all of K
+   would read more of those than of weights.
+2. `_hc_up_kernel`, grid (H / BH,): each program loads BH output features of all S streams ([S, BH, R] of
+   W_up, R contiguous per row), sums the K-chunk partials of the down rows in a fixed order (every program
+   needs all of m = SiLU(W_down xn / S) anyway; the sums come from L2), applies the roundings, and computes its
+   S gate rows and the gated stream mean. The last program also reduces the inject rows' partials into
+   iota = 2 sigma(. / S).
+
+Partial sums go through a buffer and are reduced in a fixed order, never with atomics, so the result does not
+depend on scheduling and a CUDA-graph replay equals the eager call bit for bit. Nothing synchronises with the
+host; the two scratch buffers come from the caching allocator (so graph capture keeps them).
 
 Every intermediate is rounded to the model dtype where the reference rounds it (normalised state, each GEMV
 output, the division by S, SiLU / sigmoid, the gated products, the mean), so bf16 results differ from the
-reference only through fp32 accumulation order inside the GEMVs.
+reference only through fp32 accumulation order inside the GEMVs and the approximate transcendentals.
 """
 
 from __future__ import annotations
@@ -28,83 +39,96 @@ from strata.weights.tensor import StoredTensor
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 DENSE_KINDS = ("F32", "BF16", "F16")  # stored kinds `.dense` returns without dequantising
+STATS_BLOCK = 2048  # x values per statistics load: bounds the registers the inverse-RMS pass holds
 
 
 @triton.jit
-def _rows_dot_normed(x_ptr, norm_ptr, w_ptr, row0, NROWS, H, eps,
-                     S: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
-    """sum_k W[row0 + r, k] * GN(x)[k] for BR rows, with GN's statistics computed here; fp32 (BR,)."""
-    r = row0 + tl.arange(0, BR)
-    rm = r < NROWS
+def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, H, R, NI, RT, NRBD, eps,
+                    S: tl.constexpr, KPS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr,
+                    NHB: tl.constexpr, DT: tl.constexpr):
+    """part[pk, row] = sum over the chunk's k of W[row, k] * GN(x)[k] (fp32) for BR rows; rstd[s] by one
+    program per stream. All global loads come first: the compiler does not move loads above the barriers of
+    the reductions, so this is what puts the weight tile in flight together with the statistics."""
+    pr = tl.program_id(0)
+    pk = tl.program_id(1)
+    s = pk // KPS
+    c = pk % KPS
     SH = S * H
-    acc = tl.zeros([BR, BK], tl.float32)
-    for s in tl.static_range(S):
-        ss = tl.zeros([BK], tl.float32)
-        for k0 in range(0, H, BK):
-            k = k0 + tl.arange(0, BK)
-            xv = tl.load(x_ptr + s * H + k, mask=k < H, other=0.0).to(tl.float32)
-            ss += xv * xv
-        rs = tl.rsqrt(tl.sum(ss, axis=0) / H + eps)
-        for k0 in range(0, H, BK):
-            k = k0 + tl.arange(0, BK)
-            km = k < H
-            xv = tl.load(x_ptr + s * H + k, mask=km, other=0.0).to(tl.float32)
-            nv = tl.load(norm_ptr + s * H + k, mask=km, other=0.0)
-            xn = (xv * rs * nv).to(DT).to(tl.float32)
-            w = tl.load(w_ptr + r[:, None] * SH + s * H + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-            acc += w.to(tl.float32) * xn[None, :]
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, m_ptr, iota_ptr, rstd_ptr, H, R, eps, NRB,
-                    S: tl.constexpr, NI: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
-    pid = tl.program_id(0)
-    if pid < NRB:
-        row0 = pid * BR
-        y = _rows_dot_normed(x_ptr, norm_ptr, down_ptr, row0, R, H, eps, S, BR, BK, DT).to(DT).to(tl.float32)
-        y = (y / S).to(DT).to(tl.float32)
-        r = row0 + tl.arange(0, BR)
-        tl.store(m_ptr + r, (y * tl.sigmoid(y)).to(DT), mask=r < R)
+    if pr < NRBD:
+        r = pr * BR + tl.arange(0, BR)
+        rm = r < R
+        wrow = down_ptr + r * SH
+        col = r
     else:
-        row0 = (pid - NRB) * BR
-        y = _rows_dot_normed(x_ptr, norm_ptr, inj_ptr, row0, NI, H, eps, S, BR, BK, DT).to(DT).to(tl.float32)
-        y = (y / S).to(DT).to(tl.float32)
-        y = tl.sigmoid(y).to(DT).to(tl.float32)
-        r = row0 + tl.arange(0, BR)
-        tl.store(iota_ptr + r, (2.0 * y).to(DT), mask=r < NI)
-    if pid == 0:
-        for s in tl.static_range(S):
-            ss = tl.zeros([BK], tl.float32)
-            for k0 in range(0, H, BK):
-                k = k0 + tl.arange(0, BK)
-                xv = tl.load(x_ptr + s * H + k, mask=k < H, other=0.0).to(tl.float32)
-                ss += xv * xv
-            tl.store(rstd_ptr + s, tl.rsqrt(tl.sum(ss, axis=0) / H + eps))
+        r = (pr - NRBD) * BR + tl.arange(0, BR)
+        rm = r < NI
+        wrow = inj_ptr + r * SH
+        col = R + r
+    k = s * H + c * BK + tl.arange(0, BK)[None, :]  # [1, BK]: the weight tile's layout, no conversion
+    km = k < (s + 1) * H
+    w = tl.load(wrow[:, None] + k, mask=rm[:, None] & km, other=0.0)
+    xv = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+    nv = tl.load(norm_ptr + k, mask=km, other=0.0)
+    if KPS == 1:  # the chunk is the whole stream
+        ss = tl.sum(tl.sum(xv * xv, axis=1), axis=0)
+    else:  # the same instruction sequence in every program of stream s, so all agree on rstd[s]
+        acc_ss = tl.zeros([HB], tl.float32)
+        for t in tl.static_range(NHB):
+            h = t * HB + tl.arange(0, HB)
+            xs = tl.load(x_ptr + s * H + h, mask=h < H, other=0.0).to(tl.float32)
+            acc_ss += xs * xs
+        ss = tl.sum(acc_ss, axis=0)
+    rs = tl.rsqrt(tl.math.div_rn(ss, H.to(tl.float32)) + eps)
+    xn = (xv * rs * nv).to(DT).to(tl.float32)
+    tl.store(part_ptr + pk * RT + col, tl.sum(w.to(tl.float32) * xn, axis=1), mask=rm)
+    if (pr == 0) & (c == 0):
+        tl.store(rstd_ptr + s, rs)
 
 
 @triton.jit
-def _hc_up_kernel(x_ptr, norm_ptr, rstd_ptr, up_ptr, m_ptr, a_ptr, H, R,
-                  S: tl.constexpr, BH: tl.constexpr, BRK: tl.constexpr, DT: tl.constexpr):
-    i = tl.program_id(0) * BH + tl.arange(0, BH)
-    im = i < H
-    tot = tl.zeros([BH], tl.float32)
-    for s in tl.static_range(S):
-        rows = s * H + i
-        acc = tl.zeros([BH, BRK], tl.float32)
-        for r0 in range(0, R, BRK):
-            r = r0 + tl.arange(0, BRK)
-            rm = r < R
-            mv = tl.load(m_ptr + r, mask=rm, other=0.0).to(tl.float32)
-            w = tl.load(up_ptr + rows[:, None] * R + r[None, :], mask=im[:, None] & rm[None, :], other=0.0)
-            acc += w.to(tl.float32) * mv[None, :]
-        gl = tl.sum(acc, axis=1).to(DT).to(tl.float32)
-        gate = tl.sigmoid(gl).to(DT).to(tl.float32)
-        xv = tl.load(x_ptr + rows, mask=im, other=0.0).to(tl.float32)
-        nv = tl.load(norm_ptr + rows, mask=im, other=0.0)
-        xn = (xv * tl.load(rstd_ptr + s) * nv).to(DT).to(tl.float32)
-        tot += (gate * xn).to(DT).to(tl.float32)
-    tl.store(a_ptr + i, (tot / S).to(DT), mask=im)
+def _hc_up_kernel(x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, a_ptr, iota_ptr, H, R, NI, RT,
+                  S: tl.constexpr, SP: tl.constexpr, NKC: tl.constexpr, BH: tl.constexpr, RC: tl.constexpr,
+                  NRC: tl.constexpr, NIP: tl.constexpr, DT: tl.constexpr):
+    """a[i] = mean_s GN(x)[s, i] * sigma((W_up m)[s*H + i]) for BH features i, m = SiLU((sum of the down
+    partials) / S); the last program also writes iota = 2 sigma((sum of the inject partials) / S). The loads
+    come first for the same reason as in the down kernel; the loop over NRC column chunks has no barrier, so
+    the compiler may issue all chunks' loads together, but that is its choice (NRC = 1 leaves it none)."""
+    pid = tl.program_id(0)
+    ni = tl.where(pid == tl.num_programs(0) - 1, NI, 0)  # inject rows this program handles
+    sv = tl.arange(0, SP)
+    i = pid * BH + tl.arange(0, BH)
+    fm = (sv[:, None] < S) & (i[None, :] < H)  # [SP, BH]
+    row = sv[:, None] * H + i[None, :]
+    xv = tl.load(x_ptr + row, mask=fm, other=0.0).to(tl.float32)
+    nv = tl.load(norm_ptr + row, mask=fm, other=0.0)
+    rs = tl.load(rstd_ptr + sv, mask=sv < S, other=0.0)
+    if NIP > 0:  # loaded (predicated) by every program, used by the last: no dependent load at the end
+        n = tl.arange(0, NIP)
+        pi = tl.zeros([NIP], tl.float32)
+        for kc in tl.static_range(NKC):
+            pi += tl.load(part_ptr + kc * RT + R + n, mask=n < ni, other=0.0)
+    acc = tl.zeros([SP, BH], tl.float32)
+    for j in tl.static_range(NRC):
+        r = j * RC + tl.arange(0, RC)
+        rm = r < R
+        w = tl.load(up_ptr + row[:, :, None] * R + r[None, None, :], mask=fm[:, :, None] & rm[None, None, :],
+                    other=0.0)
+        p = tl.zeros([RC], tl.float32)
+        for kc in tl.static_range(NKC):  # fixed order: the same sum in every program and every call
+            p += tl.load(part_ptr + kc * RT + r, mask=rm, other=0.0)
+        y = p.to(DT).to(tl.float32)
+        y = tl.math.div_rn(y, S).to(DT).to(tl.float32)
+        mv = (y * tl.sigmoid(y)).to(DT).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * mv[None, None, :], axis=2)
+    gate = tl.sigmoid(acc.to(DT).to(tl.float32)).to(DT).to(tl.float32)
+    xn = (xv * rs[:, None] * nv).to(DT).to(tl.float32)
+    prod = tl.where(fm, (gate * xn).to(DT).to(tl.float32), 0.0)
+    tl.store(a_ptr + i, tl.math.div_rn(tl.sum(prod, axis=0), S).to(DT), mask=i < H)
+    if NIP > 0:
+        yi = pi.to(DT).to(tl.float32)
+        yi = tl.math.div_rn(yi, S).to(DT).to(tl.float32)
+        yi = tl.sigmoid(yi).to(DT).to(tl.float32)
+        tl.store(iota_ptr + n, (2.0 * yi).to(DT), mask=n < ni)
 
 
 def supported(x: torch.Tensor, down: StoredTensor, up: StoredTensor, inject: StoredTensor | None) -> bool:
@@ -114,13 +138,68 @@ def supported(x: torch.Tensor, down: StoredTensor, up: StoredTensor, inject: Sto
             and (inject is None or inject.kind in DENSE_KINDS))
 
 
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def hc_read_defaults(streams: int, hidden: int, rank: int, sms: int) -> dict:
+    """The knob values `hc_read` uses when none are given (see `hc_read` for their meaning), and why.
+
+    Down: 16 rows per program (fewer row blocks means fewer re-reads of the inputs and fp32 norm scales, 6
+    bytes per input per row block), then the widest K chunk (<= 1024) that still gives about three programs per
+    SM, so every SM has ~50 KB of weights in flight from the start. Up: about two programs per SM; each holds
+    its [S, BH, R] weights as one tile (R padded to a power of two: registers, not bytes) while that stays
+    <= 16K elements, so that all of it is in flight at once. 4 warps each.
+    At the real geometry on an H200 (S=4, H=2560, R=320, 132 SMs): 21 x 20 down programs of [16, 512] (16 KB),
+    320 up programs of [4, 8, 512 (320 used)] (20 KB) that each reduce 20 partial rows (25 KB, L2)."""
+    S, H, R = streams, hidden, rank
+    br = min(16, triton.next_power_of_2(R))
+    nrb = triton.cdiv(R, br) + triton.cdiv(S, br)
+    bk = min(1024, triton.next_power_of_2(H))
+    while bk > 64 and nrb * S * triton.cdiv(H, bk) < 3 * sms:
+        bk //= 2
+    bh = max(1, min(64, _pow2_floor(H // max(1, 2 * sms))))
+    rc = min(triton.next_power_of_2(R), max(16, _pow2_floor(16384 // (triton.next_power_of_2(S) * bh))))
+    return {"block_rows": br, "block_k": bk, "block_h": bh, "block_r": rc, "warps_down": 4, "warps_up": 4}
+
+
+def hc_read_configs(streams: int, hidden: int, rank: int, sms: int) -> list[dict]:
+    """A handful of knob settings worth sweeping on the GPU (each a dict of `hc_read` keyword arguments), the
+    default first. They trade the K split against the row block (fewer partial rows for every up program to
+    reduce versus more re-reads of the inputs by the down programs), and the up program size (SM balance
+    versus partial-sum reads per weight byte)."""
+    S, H, R = streams, hidden, rank
+    d = hc_read_defaults(S, H, R, sms)
+    h2 = triton.next_power_of_2(H)
+    rp = triton.next_power_of_2(R)
+    out = [d]
+    for kw in ({"block_rows": 8, "block_k": min(1024, h2)},  # 12 partial rows at the real geometry
+               {"block_rows": 8, "block_k": min(2048, h2), "warps_down": 8},  # 8
+               {"block_rows": 4, "block_k": h2, "warps_down": 8},  # one chunk per stream: 4, no statistics pass
+               {"block_rows": 32, "block_k": min(256, h2)},
+               {"block_h": 2 * d["block_h"], "block_r": rp, "warps_up": 8},
+               {"block_h": max(1, d["block_h"] // 2)},
+               {"block_r": max(16, min(64, rp))},  # R = 320: five unpadded column chunks
+               {"block_rows": 8, "block_k": min(1024, h2), "block_h": 2 * d["block_h"], "block_r": rp, "warps_up": 8},
+               {"warps_down": 8, "warps_up": 8}):
+        c = dict(d, **kw)
+        if c not in out:
+            out.append(c)
+    return out
+
+
 def hc_read(x: torch.Tensor, norm: torch.Tensor, down: StoredTensor, up: StoredTensor,
             inject: StoredTensor | None, streams: int, eps: float, block_rows: int | None = None,
-            block_h: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            block_h: int | None = None, *, block_k: int | None = None, block_r: int | None = None,
+            warps_down: int | None = None, warps_up: int | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Block input a (1, H) and injection weights (1, S) (None without `inject`) from the state x (1, S*H).
-    `block_rows` (W_down rows per program) and `block_h` (outputs per program of the second launch) are
-    tuning knobs; by default each launch gets about two programs per SM (2 rows and 16 outputs at the real
-    geometry on an H200)."""
+
+    Tuning knobs, powers of two (None: `hc_read_defaults`, from the SM count and the shapes): `block_rows`
+    W_down / W_inject rows per down program; `block_k` inputs of one stream per down program (>= H: one chunk
+    per stream); `block_h` output features per up program (times S weight rows); `block_r` W_up columns per up
+    tile (< R: several chunks, less padding of R, more load instructions); `warps_down`, `warps_up` warps per
+    program."""
     dt, dev = x.dtype, x.device
     S = streams
     SH = x.shape[-1]
@@ -128,25 +207,30 @@ def hc_read(x: torch.Tensor, norm: torch.Tensor, down: StoredTensor, up: StoredT
     wd = down.dense(dt, dev).contiguous()
     wu = up.dense(dt, dev).contiguous()
     R = wd.shape[0]
-    sms = sm_count(dev)
-    if block_rows is None:
-        block_rows = min(16, triton.next_power_of_2(triton.cdiv(R, 2 * sms)))
-    if block_h is None:
-        block_h = min(128, max(16, triton.next_power_of_2(triton.cdiv(H, 2 * sms))))
     ni = inject.shape[0] if inject is not None else 0
     wi = inject.dense(dt, dev).contiguous() if inject is not None else wd
+    d = hc_read_defaults(S, H, R, sm_count(dev))
+    br = block_rows or d["block_rows"]
+    bk = min(block_k or d["block_k"], triton.next_power_of_2(H))
+    bh = block_h or d["block_h"]
+    rc = min(block_r or d["block_r"], triton.next_power_of_2(R))
     x = x.contiguous()
     norm = norm.float().contiguous()
-    m = torch.empty(R, dtype=dt, device=dev)
-    iota = torch.empty(1, max(ni, 1), dtype=dt, device=dev)
+    kps = triton.cdiv(H, bk)  # K chunks per stream
+    nkc = S * kps
+    rt = triton.cdiv(R + ni, 16) * 16  # partial rows padded so that each starts 64-byte aligned
+    nrbd = triton.cdiv(R, br)
+    part = torch.empty(nkc, rt, dtype=torch.float32, device=dev)
     rstd = torch.empty(S, dtype=torch.float32, device=dev)
-    nrb = triton.cdiv(R, block_rows)
-    bk = min(1024, triton.next_power_of_2(H))
-    _hc_down_kernel[(nrb + triton.cdiv(ni, block_rows),)](
-        x, norm, wd, wi, m, iota, rstd, H, R, eps, nrb,
-        S=S, NI=ni, BR=block_rows, BK=bk, DT=TL_DTYPES[dt])
+    hb = min(STATS_BLOCK, triton.next_power_of_2(H))
+    _hc_down_kernel[(nrbd + triton.cdiv(ni, br), nkc)](
+        x, norm, wd, wi, part, rstd, H, R, ni, rt, nrbd, eps,
+        S=S, KPS=kps, BR=br, BK=bk, HB=hb, NHB=triton.cdiv(H, hb), DT=TL_DTYPES[dt],
+        num_warps=warps_down or d["warps_down"])
     a = torch.empty(1, H, dtype=dt, device=dev)
-    _hc_up_kernel[(triton.cdiv(H, block_h),)](
-        x, norm, rstd, wu, m, a, H, R,
-        S=S, BH=block_h, BRK=min(128, triton.next_power_of_2(R)), DT=TL_DTYPES[dt])
+    iota = torch.empty(1, max(ni, 1), dtype=dt, device=dev)
+    _hc_up_kernel[(triton.cdiv(H, bh),)](
+        x, norm, rstd, wu, part, a, iota, H, R, ni, rt,
+        S=S, SP=triton.next_power_of_2(S), NKC=nkc, BH=bh, RC=rc, NRC=triton.cdiv(R, rc),
+        NIP=triton.next_power_of_2(ni) if ni else 0, DT=TL_DTYPES[dt], num_warps=warps_up or d["warps_up"])
     return a, (iota if inject is not None else None)
