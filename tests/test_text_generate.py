@@ -244,3 +244,25 @@ def test_generation_stops_at_the_context_length() -> None:
     assert (len(g.token_ids), g.finish_reason, g.state.length) == (3, "length", 10)
     with pytest.raises(StrataError, match="context is 10"):
         llm.generate(list(range(11)))
+
+
+def test_greedy_choice_inside_the_static_step_equals_host_sampling(fixtures_dir: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a fixed-capacity state the greedy choice is the step's own argmax (only the id leaves the device);
+    a request that needs the logits (a penalty) still samples them on the host."""
+    prompt = json.loads((fixtures_dir / "prompt.json").read_text())["ids"]
+    host = LLM(fixtures_dir / "hf")
+    static = LLM(fixtures_dir / "hf")
+    static.engine = Engine.load(fixtures_dir / "hf", graphs=True, context=len(prompt) + 16)
+    chosen = []
+    real = Engine.decode_token
+    monkeypatch.setattr(Engine, "decode_token", lambda self, *a, **k: (chosen.append(1), real(self, *a, **k))[1])
+    greedy = SamplingParams(max_tokens=12, greedy=True)
+    want = host.generate(prompt, greedy).token_ids
+    chosen.clear()
+    assert static.generate(prompt, greedy).token_ids == want
+    assert len(chosen) == 11  # every decode step chose on the device
+    chosen.clear()
+    penalised = SamplingParams(max_tokens=6, greedy=True, repetition_penalty=1.3)
+    assert static.generate(prompt, penalised).token_ids == host.generate(prompt, penalised).token_ids
+    assert not chosen

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,9 @@ from strata.errors import StrataError
 from strata.model.model import Model, SequenceState
 from strata.model.ops import Ops
 from strata.weights.schema import Weights
+
+if TYPE_CHECKING:
+    from strata.runtime.graph import DeviceDraw
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "default"
@@ -125,3 +129,23 @@ class Engine:
                 state.decode_step = DecodeStep(self.model, self.context, state=state)
             return state.decode_step.step(int(t[0])).float().clone()
         return self.model.forward(t, state)[-1].float()
+
+    @torch.inference_mode()
+    def decode_token(self, token: int, state: SequenceState, draw: DeviceDraw | None = None,
+                     restart: bool = False) -> int | None:
+        """One token through the captured step, and the next token chosen inside it on the device: the argmax,
+        or a draw with `draw` (`restart` reloads its parameters and seed: pass it on a request's first decode).
+        Only the chosen id comes back to the host. None when `state` does not decode through a captured step:
+        the caller then samples the logits of `decode`."""
+        t = self.check_ids([token])
+        if not (self.graphs and state.fixed_capacity(self.context)) or (draw is not None and
+                                                                         self.device.type != "cuda"):
+            return None  # the draw kernel runs compiled on CUDA only
+        if state.decode_step is None:
+            from strata.runtime.graph import DecodeStep
+
+            state.decode_step = DecodeStep(self.model, self.context, state=state)
+        step = state.decode_step
+        if draw is not None and restart:
+            step.sampler.configure(draw.temperature, draw.top_k, draw.top_p, draw.min_p, draw.seed)
+        return int(step.next_token(int(t[0]), sampled=draw is not None))

@@ -9,6 +9,8 @@ check it against the growing-state decode path.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from strata.errors import StrataError
@@ -26,6 +28,18 @@ def capturable(ops: Ops) -> Ops:
     if ops.experts is experts_ref:
         return Ops(**{**ops.__dict__, "experts": experts_gather})
     return ops
+
+
+@dataclass(frozen=True)
+class DeviceDraw:
+    """A random draw made inside the captured step (`strata.kernels.sample`): temperature > 0, then top-k (0 =
+    off), top-p (1 = off), min-p (0 = off); the seed fixes the sequence of draws of one request."""
+
+    temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
 
 
 class DecodeStep:
@@ -48,8 +62,11 @@ class DecodeStep:
         self.capture = dev.type == "cuda" if capture is None else capture
         if self.capture and dev.type != "cuda":
             raise StrataError("graph capture needs a CUDA device")
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: torch.Tensor | None = None
+        # One graph per way of ending the step: "logits" (logits and their argmax, for greedy decoding and for
+        # host-side samplers) and "sampled" (a draw by `self.sampler` too). Each holds its own output buffers.
+        self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        self.outs: dict[str, tuple[torch.Tensor, ...]] = {}
+        self._sampler = None
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
@@ -58,9 +75,22 @@ class DecodeStep:
             raise StrataError(f"prompt of {ids.numel()} tokens does not fit the capacity {self.capacity}")
         return self.model.forward(ids.to(self.model.device), self.state, last_only=True)[-1]
 
-    def _compute(self) -> torch.Tensor:
+    @property
+    def sampler(self):  # noqa: ANN201 - strata.kernels.sample.DeviceSampler (imported lazily: needs Triton)
+        """The device sampler of the "sampled" graph: its parameter buffers are read by the graph, so
+        `configure` it between tokens to change the request's parameters."""
+        if self._sampler is None:
+            from strata.kernels.sample import DeviceSampler
+
+            self._sampler = DeviceSampler(self.model.device)
+        return self._sampler
+
+    def _compute(self, kind: str = "logits") -> tuple[torch.Tensor, ...]:
         h = self.model.run(self.inputs, self.state, static=True)
-        return self.model.logits(h)[0]
+        logits = self.model.logits(h)[0]
+        if kind == "sampled":
+            return logits, self.sampler(logits)
+        return logits, logits.argmax()
 
     def _stage(self, token: int) -> None:
         if self.state.length >= self.capacity:
@@ -71,34 +101,54 @@ class DecodeStep:
         for i, e in staged.ple.items():
             self.inputs.ple[i].copy_(e, non_blocking=True)
 
+    def _run(self, token: int, kind: str) -> tuple[torch.Tensor, ...]:
+        self._stage(token)
+        if not self.capture:
+            return self._compute(kind)
+        if kind not in self.graphs:
+            self._capture(kind)
+        self.graphs[kind].replay()
+        return self.outs[kind]
+
     @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:
         """Logits (V,) of one token, continuing the state. Captures the graph on the first CUDA call."""
-        self._stage(token)
-        if not self.capture:
-            return self._compute()
-        if self.graph is None:
-            self._capture()
-        self.graph.replay()
-        return self.out
+        return self._run(token, "logits")[0]
 
-    def _capture(self) -> None:
+    @torch.inference_mode()
+    def next_token(self, token: int, sampled: bool = False) -> torch.Tensor:
+        """Run one token and choose the next on the device, inside the step: the argmax, or with `sampled` a
+        draw by `self.sampler` (configure it first). A (1,)/() int64 device tensor; reading it is the step's
+        only host synchronisation."""
+        return self._run(token, "sampled" if sampled else "logits")[1]
+
+    def _capture(self, kind: str) -> None:
         # The staged token is already in the input buffers: warm up on a side stream with a snapshot of the
-        # state (warm-up writes the caches), restore it, then capture; the replay below computes the token.
+        # state (warm-up writes the caches and advances the sampler's step), restore it, then capture; the
+        # replay that follows computes the token.
         snapshot = self.state.clone()
+        offset = self.sampler.offset.clone() if kind == "sampled" else None
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._compute()
-                self._restore(snapshot)
+                self._compute(kind)
+                self._restore(snapshot, offset)
         torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = self._compute()
-        self._restore(snapshot)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.outs[kind] = self._compute(kind)
+        self.graphs[kind] = graph
+        self._restore(snapshot, offset)
 
-    def _restore(self, snapshot: SequenceState) -> None:
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The logits graph (None before the first captured step)."""
+        return self.graphs.get("logits")
+
+    def _restore(self, snapshot: SequenceState, offset: torch.Tensor | None = None) -> None:
+        if offset is not None:
+            self.sampler.offset.copy_(offset)
         for mine, saved in zip(self.state.layers, snapshot.layers, strict=True):
             for name, t in vars(saved).items():
                 if isinstance(t, torch.Tensor):

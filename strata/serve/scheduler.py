@@ -32,6 +32,7 @@ from strata.api import LLM
 from strata.errors import StrataError
 from strata.model.model import SequenceState
 from strata.runtime.engine import Engine
+from strata.runtime.graph import DeviceDraw
 from strata.serve.cache import PrefixCache
 from strata.serve.errors import ApiError
 from strata.text.generate import Generation, Timings
@@ -114,6 +115,18 @@ class _JobEngine:
         logits = self._engine.decode(token, state)
         self._job.generated += 1
         return self._steered(logits)
+
+    def decode_token(self, token: int, state: SequenceState, draw: DeviceDraw | None = None,
+                     restart: bool = False) -> int | None:
+        """The engine's on-device choice, unless a steer hook needs the logits (then None: use `decode`)."""
+        if self._steer is not None:
+            return None
+        self._check()
+        nxt = self._engine.decode_token(token, state, draw, restart)
+        if nxt is not None:
+            self._job.generated += 1
+            self._step += 1
+        return nxt
 
 
 class Job:

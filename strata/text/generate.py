@@ -11,6 +11,7 @@ from typing import Any
 from strata.errors import StrataError
 from strata.model.model import SequenceState
 from strata.runtime.engine import Engine
+from strata.runtime.graph import DeviceDraw
 from strata.text.detok import TextStream
 from strata.text.sampling import Sampler, SamplingParams
 from strata.text.tokenizer import Tokenizer
@@ -126,13 +127,24 @@ class Generation:
             if len(self.token_ids) >= params.max_tokens or state.length >= limit:  # no position left to feed it
                 self.finish_reason = "length"
                 break
-            logits = engine.decode(token, state)
-            token = self.sampler.next_token(logits)
+            token = self._decode(token, state)
             self.timings.decode_tokens += 1
         tail = self._stream.finish()
         self.timings.decode_seconds = time.perf_counter() - t1 if self.timings.decode_tokens else 0.0
         if tail:
             yield tail
+
+    def _decode(self, token: int, state: SequenceState) -> int:
+        """The next token: chosen on the device inside the captured step when the request needs only the
+        logits and the engine decodes this state through one, else sampled here from the step's logits."""
+        p = self.params
+        if p.logits_free:
+            draw = None if p.is_greedy else DeviceDraw(p.temperature, p.top_k, p.top_p, p.min_p, self.sampler.seed)
+            nxt = self.engine.decode_token(token, state, draw, restart=self.timings.decode_tokens == 0)
+            if nxt is not None:
+                self.sampler.record(nxt)
+                return nxt
+        return self.sampler.next_token(self.engine.decode(token, state))
 
     def run(self) -> Generation:
         """Run to the end without streaming; returns self."""

@@ -106,6 +106,13 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.greedy or self.temperature == 0
 
+    @property
+    def logits_free(self) -> bool:
+        """Whether the choice needs nothing but the model's logits (no bias, no penalties), so it can be made on
+        the device inside the captured decode step."""
+        return (not self.logit_bias and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0
+                and self.frequency_penalty == 0.0)
+
 
 # --- logits adjustments, each a pure function so tests can check the definitions ---------------------------------
 
@@ -222,6 +229,10 @@ class Sampler:
             if not bool(torch.isfinite(probs).all()):
                 raise StrataError("the model produced non-finite logits; cannot sample")
             token = int(torch.multinomial(probs, 1, generator=self.generator))
+        self.record(token)
+        return token
+
+    def record(self, token: int) -> None:
+        """Count `token` as generated (for the penalties), when it was chosen elsewhere (on the device)."""
         self.counts[token] += 1
         self.seen[token] = True
-        return token
