@@ -295,9 +295,9 @@ def check_hc(cfg: ModelConfig, inject: bool) -> dict:
     out["ref_us"] = time_eager(lambda: hc_read_ref(x, norm, down, up, inj, S, cfg.rms_norm_eps, linear_ref))
     out["bytes"] = (2 * R * S * H + (S * S * H if inject else 0)) * 2
     if inject:
-        for br, bh in ((1, 16), (2, 16), (4, 16), (2, 32)):
-            sweep(out, f"block_rows={br},block_h={bh}",
-                  lambda br=br, bh=bh: hyper.hc_read(x, norm, down, up, inj, S, cfg.rms_norm_eps, br, bh))
+        for kw in hyper.hc_read_configs(S, H, R, attention.sm_count(DEV))[1:]:
+            sweep(out, ",".join(f"{k}={v}" for k, v in kw.items()),
+                  lambda kw=kw: hyper.hc_read(x, norm, down, up, inj, S, cfg.rms_norm_eps, **kw))
     return out
 
 
