@@ -116,3 +116,23 @@ def test_tiny_model_decode_with_moe_kernels_matches_reference(tiny_weights):
     fast = Engine(tiny_weights, ops=fused_ops(Ops(), force=True))
     ids = torch.randint(2, ref.cfg.vocab_size, (13,), generator=torch.Generator().manual_seed(4)).tolist()
     reference.assert_decodes_match(ref, fast, ids, prompt=5, capacity=32)
+
+
+@pytest.mark.parametrize("T,k,N", [(1, 10, 2560), (3, 2, 100), (2, 1, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slot_sum_is_the_weighted_sum_in_slot_order(T, k, N, dtype):
+    g = torch.Generator().manual_seed(T * 100 + k)
+    y = torch.randn(T * k, N, generator=g)
+    w = torch.softmax(torch.randn(T, k, generator=g), -1).to(dtype)
+    got = moe.slot_sum(y, w, dtype)
+    acc = torch.zeros(T, N)
+    for j in range(k):  # the kernel's order: slot 0 first
+        acc += y.view(T, k, N)[:, j] * w[:, j, None].float()
+    want = acc.to(dtype)
+    if dtype == torch.float32:
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    else:  # the interpreter truncates fp32 -> bf16 where torch rounds: one bf16 ulp
+        assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-30).all()
+    w2 = w.clone()
+    w2[0, 0] += 0.5
+    assert not torch.equal(moe.slot_sum(y, w2, dtype), got)

@@ -95,3 +95,30 @@ def moe_combine(routed: torch.Tensor, gate_logit: torch.Tensor, shared: torch.Te
     _combine_kernel[(L, triton.cdiv(H, bh))](routed, gate_logit, shared, out, H, BH=bh,
                                              DT=TL_DTYPES[routed.dtype])
     return out
+
+
+@triton.jit
+def _slot_sum_kernel(y_ptr, w_ptr, out_ptr, N, K, BN: tl.constexpr, DT: tl.constexpr):
+    tok = tl.program_id(0)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nm = n < N
+    acc = tl.zeros([BN], tl.float32)
+    for j in range(K):
+        s = tok * K + j
+        acc += tl.load(y_ptr + s * N + n, mask=nm, other=0.0) * tl.load(w_ptr + s).to(tl.float32)
+    tl.store(out_ptr + tok * N + n, acc.to(DT), mask=nm)
+
+
+def slot_sum(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, bn: int = 512) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * y[t*k + j] in fp32, slots added in order j = 0..k-1, cast once to dtype:
+    the routed experts' weighted combine after a per-slot down projection. y (T*k, N) fp32 contiguous, weights
+    (T, k). One launch; no atomics, so the result is the same on every run (a graph replay equals the eager
+    step)."""
+    T, k = weights.shape
+    N = y.shape[1]
+    if y.shape[0] != T * k or y.dtype != torch.float32 or not y.is_contiguous():
+        raise ValueError(f"y: expected contiguous float32 ({T * k}, N), got {y.dtype} {tuple(y.shape)}")
+    w = weights.contiguous()
+    out = torch.empty(T, N, dtype=dtype, device=y.device)
+    _slot_sum_kernel[(T, triton.cdiv(N, bn))](y, w, out, N, k, BN=bn, DT=TL_DTYPES[dtype])
+    return out

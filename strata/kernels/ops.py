@@ -9,13 +9,13 @@
   dequantizing once on the device) beats reading the weights once per 8 rows.
 * `linears_triton(x, ws, biases, linear)`: weights stored back to back (`placement.fuse_rows`) as one GEMV.
 * `mlp_triton(x, gate, up, down, linear)`: gate/up/SiLU as one GEMV launch, then down.
-* `experts_triton(a, top_i, top_w, gate, up, down, linear)`: the routed experts of a MoE layer in two launches
-  (gate/up/SiLU over all L*k selected slots; down plus the weighted sum over each token's slots) with the expert
-  ids never leaving the device, so a decode step can be captured in a CUDA graph. Other inputs go to the
+* `experts_triton(a, top_i, top_w, gate, up, down, linear)`: the routed experts of a MoE layer in three launches
+  (gate/up/SiLU over all L*k selected slots; down over the slots; the weighted sum over each token's slots) with
+  the expert ids never leaving the device, so a decode step can be captured in a CUDA graph. Other inputs go to the
   reference (`experts_gather`, the capturable twin, while a graph is being captured).
 
-All return x's dtype, computed in fp32 and rounded where the reference rounds. A stored tensor exposes its raw rows as `DenseTensor.tensor` or as a
-uint8 `data` tensor of shape (*shape[:-1], row_bytes) with `kind` = the ggml type name (QuantTensor).
+All return x's dtype, computed in fp32 and rounded where the reference rounds. A stored tensor exposes its raw
+rows as `DenseTensor.tensor` or as a uint8 `data` tensor of shape (*shape[:-1], row_bytes) with `kind` = the ggml type name (QuantTensor).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from strata.kernels.gemv import (GEMV_TYPE_NAMES, MAX_TOKENS, OUT_DTYPES, gemv, gemv_experts, gemv_experts_glu,
-                                 gemv_experts_sum, gemv_glu)
+from strata.kernels.gemv import GEMV_TYPE_NAMES, MAX_TOKENS, OUT_DTYPES, gemv, gemv_experts, gemv_experts_glu, gemv_glu
+from strata.kernels.moe import slot_sum
 from strata.model.experts import experts_gather, experts_ref
 from strata.model.ops import Ops, linear_ref, linears_ref, mlp_ref
 from strata.weights.tensor import DenseTensor, StoredTensor
@@ -170,11 +170,11 @@ def experts_blocks(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
     if n_tok > 1:
         x = x.repeat_interleave(k, dim=0)
     if gate[1] == up[1] and a.dtype in OUT_DTYPES:
-        # gate/up/SiLU in one launch, down and the weighted sum over slots in another
+        # gate/up/SiLU in one launch; down over every slot in parallel (fp32), then the weighted sum over each
+        # token's slots (a program looping over the slots itself serialises k dependent GEMVs: 8x slower)
         h = gemv_experts_glu(x, gate[0], up[0], ids, gate[1], h_dim, out_dtype=a.dtype)
-        w = top_w if top_w.dtype in OUT_DTYPES else top_w.float()
-        return gemv_experts_sum(h, down[0], top_i.reshape(n_tok, k).to(ids.dtype).contiguous(),
-                                w.reshape(n_tok, k).contiguous(), down[1], i_dim, out_dtype=a.dtype)
+        y = gemv_experts(h, down[0], ids, down[1], i_dim)
+        return slot_sum(y, top_w.reshape(n_tok, k), a.dtype)
     g = gemv_experts(x, gate[0], ids, gate[1], h_dim)
     u = gemv_experts(x, up[0], ids, up[1], h_dim)
     y = gemv_experts(F.silu(g) * u, down[0], ids, down[1], i_dim)
