@@ -36,9 +36,11 @@ GEMV_MAX_ROWS = 32
 """Rows of x up to which `linear_triton` runs the GEMV on quantized weights (8 rows per launch, each reading all
 of W); dense weights take it only for what one launch covers (MAX_TOKENS rows)."""
 
-MAX_EXPERT_SLOTS = 64
-"""Selected (token, expert) slots up to which `experts_triton` runs the grouped GEMV; each slot reads its expert's
-whole matrices, so for long prefills the reference's one pass per distinct expert reads less."""
+MAX_EXPERT_SLOTS = 8192
+"""Selected (token, expert) slots up to which `experts_triton` runs the grouped GEMV (a 512-token prefill chunk
+at k = 10 is 5120). Each slot reads its expert's whole matrices, but slots are sorted by expert so repeats come
+from L2; the alternative, the reference's host loop over distinct experts, costs a few hundred dependent
+launches and host syncs per layer."""
 
 _FLOAT_X = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -167,18 +169,25 @@ def experts_blocks(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
         ids = ids.to(torch.int64)
     ids = ids.contiguous()
     x = _as_x(a, h_dim)
+    order = None
     if n_tok > 1:
-        x = x.repeat_interleave(k, dim=0)
+        # slots sorted by expert: the programs of one expert's slots run back to back and find its weights in L2
+        order = ids.argsort(stable=True)
+        ids = ids[order].contiguous()
+        x = x[order // k]
     if gate[1] == up[1] and a.dtype in OUT_DTYPES:
         # gate/up/SiLU in one launch; down over every slot in parallel (fp32), then the weighted sum over each
         # token's slots (a program looping over the slots itself serialises k dependent GEMVs: 8x slower)
         h = gemv_experts_glu(x, gate[0], up[0], ids, gate[1], h_dim, out_dtype=a.dtype)
         y = gemv_experts(h, down[0], ids, down[1], i_dim)
-        return slot_sum(y, top_w.reshape(n_tok, k), a.dtype)
-    g = gemv_experts(x, gate[0], ids, gate[1], h_dim)
-    u = gemv_experts(x, up[0], ids, up[1], h_dim)
-    y = gemv_experts(F.silu(g) * u, down[0], ids, down[1], i_dim)
-    return (y.view(n_tok, k, h_dim) * top_w.float().unsqueeze(-1)).sum(1).to(a.dtype)
+    else:
+        g = gemv_experts(x, gate[0], ids, gate[1], h_dim)
+        u = gemv_experts(x, up[0], ids, up[1], h_dim)
+        y = gemv_experts(F.silu(g) * u, down[0], ids, down[1], i_dim)
+    if order is not None:
+        y = torch.empty_like(y).index_copy_(0, order, y)
+    return slot_sum(y, top_w.reshape(n_tok, k), a.dtype)
+
 
 
 def experts_triton(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: StoredTensor,
