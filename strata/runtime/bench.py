@@ -218,7 +218,7 @@ def bench_decode(model: Model, context: int, tokens: int = 64, runs: int = 3, se
     return out
 
 
-def kernel_profile(step: DecodeStep, top: int = 12) -> dict:
+def kernel_profile(step: DecodeStep, top: int = 40) -> dict:
     """The kernels one eager decode step launches (torch profiler): how many, their summed device time, and the
     largest by total time. Launches x per-launch overhead is what the captured step pays beyond kernel time."""
     from torch.profiler import ProfilerActivity, profile
