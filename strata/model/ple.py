@@ -34,9 +34,35 @@ def shifted_history(history: torch.Tensor, shift: int, eos: int) -> torch.Tensor
     return torch.where(valid, history[src.clamp_min(0)], torch.tensor(eos))
 
 
+def _i64(v: int) -> int:
+    """v wrapped to a signed 64-bit integer (torch's int64 multiply)."""
+    v &= (1 << 64) - 1
+    return v - (1 << 64) if v >> 63 else v
+
+
+def ngram_rows_one(token: int, context: list[int], geo: PLEGeometry, cfg: ModelConfig) -> list[int]:
+    """`ngram_rows` of one id in plain integer arithmetic (the decode step's host work: a few dozen Python
+    operations instead of a few dozen small tensor ops)."""
+    n, hpn, eos = cfg.ngram_size, cfg.heads_per_ngram, cfg.ple_eos
+    hist = [*context[len(context) - (n - 1):], token]
+    p = n - 1
+    last_eos = max((i for i in range(p) if hist[i] == eos), default=-1)
+    shifted = [hist[p - k] if p - k > last_eos else eos for k in range(n)]
+    rows: list[int] = []
+    for m in range(2, n + 1):
+        h = _i64(shifted[0] * geo.multipliers[0])
+        for j in range(1, m):
+            h ^= _i64(shifted[j] * geo.multipliers[j])
+        sl = slice((m - 2) * hpn, (m - 1) * hpn)
+        rows.extend(h % prime + off for prime, off in zip(geo.primes[sl], geo.offsets[sl], strict=True))
+    return rows
+
+
 def ngram_rows(ids: torch.Tensor, context: torch.Tensor, geo: PLEGeometry, cfg: ModelConfig) -> torch.Tensor:
     """Table rows (L, ngram_heads) for the ids, given the previous n-1 ids."""
     n, hpn, eos = cfg.ngram_size, cfg.heads_per_ngram, cfg.ple_eos
+    if ids.numel() == 1 and context.numel() == n - 1:
+        return torch.tensor([ngram_rows_one(int(ids.reshape(-1)[0]), context.tolist(), geo, cfg)])
     hist = torch.cat([context, ids.to(torch.int64).cpu()])
     shifted = [shifted_history(hist, k, eos) for k in range(n)]
     mult = geo.multipliers
