@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.model.gdn import gdn_layer
-from strata.model.hyper import hc_read
+from strata.model.hyper import hc_read, hc_write_read
 from strata.model.moe import moe_layer
 from strata.model.ops import Ops
 from strata.model.ple import ple_embedding, ple_layer
@@ -47,15 +47,18 @@ class Model:
     def new_state(self, capacity: int | None = None) -> SequenceState:
         return SequenceState.empty(self.cfg, self.dtype, self.device, capacity)
 
-    def stage(self, ids: torch.Tensor, state: SequenceState) -> StepInputs:
-        """Host work for the new ids; advances the state's token count and n-gram context."""
+    def stage(self, ids: torch.Tensor, state: SequenceState, to_device: bool = True) -> StepInputs:
+        """Host work for the new ids; advances the state's token count and n-gram context. The inputs are moved
+        to the model's device unless `to_device` is False (a caller staging them into its own buffers)."""
         L = ids.shape[0]
-        positions = torch.arange(state.length, state.length + L, device=self.device)
-        ple = {i: ple_embedding(ids, self.w, i, self.cfg, s, self.ops, self.dtype).to(self.device)
-               for i, s in state.ple.items()}
+        positions = torch.arange(state.length, state.length + L)
+        ple = {i: ple_embedding(ids, self.w, i, self.cfg, s, self.ops, self.dtype) for i, s in state.ple.items()}
         state.length += L
         state.tokens.extend(ids.tolist())
-        return StepInputs(ids.to(self.device), positions, state.length, ple)
+        if to_device:
+            ids, positions = ids.to(self.device), positions.to(self.device)
+            ple = {i: e.to(self.device) for i, e in ple.items()}
+        return StepInputs(ids, positions, state.length, ple)
 
     def run(self, inputs: StepInputs, state: SequenceState, static: bool = False) -> torch.Tensor:
         """Final hidden states (L, H); writes the device-side caches of `state`. `static` keeps every shape
@@ -65,18 +68,29 @@ class Model:
         x = ops.embed(inputs.ids, w["embed"], self.dtype).repeat(1, S)
         has_qsa = not all(cfg.is_linear(i) for i in range(cfg.num_hidden_layers))
         rope = Rope.at(inputs.positions, cfg, self.dtype) if has_qsa else None  # once, for every QSA layer
+        # Each block's write x += inject * y is deferred into the read that follows it (`ops.hc_write_read`, which
+        # a fast backend runs in the read's launches): `pending` holds the (inject, y) not yet applied. Only a
+        # PLE layer, whose mix reads the written state before the block's read, applies it on its own.
+        pending = None
         for i in range(cfg.num_hidden_layers):
             if i in inputs.ple:
+                if pending is not None:
+                    x, pending = ops.hc_write(x, *pending), None
                 x = x + ple_layer(x, inputs.ple[i], w, i, cfg, state.ple[i], ops)
-            a, inject = hc_read(x, w, f"L{i}.hc_attn", S, eps, ops)
+            if pending is None:
+                a, inject = hc_read(x, w, f"L{i}.hc_attn", S, eps, ops)
+            else:
+                x, a, inject = hc_write_read(x, *pending, w, f"L{i}.hc_attn", S, eps, ops)
             if cfg.is_linear(i):
                 y = gdn_layer(a, w, i, cfg, state.layers[i], ops)
             else:
                 y = qsa_layer(a, inputs.positions, rope, inputs.n_keys, w, i, cfg, state.layers[i], ops, static)
-            x = ops.hc_write(x, inject, y)
-            a, inject = hc_read(x, w, f"L{i}.hc_ffn", S, eps, ops)
-            x = ops.hc_write(x, inject, moe_layer(a, w, i, cfg, ops))
-        h, _ = hc_read(x, w, "final", S, eps, ops, inject=False)
+            x, a, inject = hc_write_read(x, inject, y, w, f"L{i}.hc_ffn", S, eps, ops)
+            pending = (inject, moe_layer(a, w, i, cfg, ops))
+        if pending is None:  # no layers
+            h, _ = hc_read(x, w, "final", S, eps, ops, inject=False)
+        else:
+            _, h, _ = hc_write_read(x, *pending, w, "final", S, eps, ops, inject=False)
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,8 @@ class DecodeStep:
         # One graph per way of ending the step: "logits" (logits and their argmax, for greedy decoding and for
         # host-side samplers) and "sampled" (a draw by `self.sampler` too). Each holds its own output buffers.
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        self._host: dict | None = None  # page-locked staging buffers, made on the first step
+        self._copied: torch.cuda.Event | None = None  # recorded after the last copies out of them
         self.outs: dict[str, tuple[torch.Tensor, ...]] = {}
         self._sampler = None
 
@@ -93,13 +95,29 @@ class DecodeStep:
         return logits, logits.argmax()
 
     def _stage(self, token: int) -> None:
+        """Host work for the token into page-locked buffers, copied to the static inputs asynchronously; the
+        buffers are rewritten only once the previous step's copies are done."""
         if self.state.length >= self.capacity:
             raise StrataError(f"the sequence reached the decode capacity of {self.capacity} tokens")
-        staged = self.model.stage(torch.tensor([token], dtype=torch.int64), self.state)
-        self.inputs.ids.copy_(staged.ids, non_blocking=True)
-        self.inputs.positions.copy_(staged.positions, non_blocking=True)
+        staged = self.model.stage(torch.tensor([token], dtype=torch.int64), self.state, to_device=False)
+        if self._host is None:
+            pin = self.model.device.type == "cuda"
+            self._host = {"ids": torch.empty(1, dtype=torch.int64, pin_memory=pin),
+                          "positions": torch.empty(1, dtype=torch.int64, pin_memory=pin),
+                          **{i: torch.empty_like(e, pin_memory=pin) for i, e in staged.ple.items()}}
+        host = self._host
+        if self._copied is not None:
+            self._copied.synchronize()
+        host["ids"].copy_(staged.ids)
+        host["positions"].copy_(staged.positions)
+        self.inputs.ids.copy_(host["ids"], non_blocking=True)
+        self.inputs.positions.copy_(host["positions"], non_blocking=True)
         for i, e in staged.ple.items():
-            self.inputs.ple[i].copy_(e, non_blocking=True)
+            host[i].copy_(e)
+            self.inputs.ple[i].copy_(host[i], non_blocking=True)
+        if self.model.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
     def _run(self, token: int, kind: str) -> tuple[torch.Tensor, ...]:
         self._stage(token)
