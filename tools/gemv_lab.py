@@ -10,7 +10,11 @@ larger than L2 (so every byte comes from HBM), as GB/s of stored bytes and a fra
              accumulated in fp32 and scaled per block afterwards (no per-weight scale multiply, no x reloads
              per row), on Q8_0 (grouped) and on Q4_K (ggml's layout; the mins enter as -dmin*m*sum(x)).
 
-    python tools/gemv_lab.py --out lab.json
+* the suite (`SUITE`, `GLU_SUITE`): per type and shape, the current defaults against the candidates of
+  tools/gemv_sass.py (rows/warps, the pre-factored Q8_0 decoder, the GLU kernel without its alignment mark).
+
+    python tools/gemv_lab.py --out lab.json            # the suite, ~1-2 minutes on an H200
+    python tools/gemv_lab.py --types Q4_K,Q8_0
 """
 
 from __future__ import annotations
@@ -187,15 +191,68 @@ def time_calls(calls, replays: int = 15) -> float:
     return statistics.median(ts)
 
 
+@triton.jit
+def decode_q8_0_plain(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """The Q8_0 decoder before the factored one (w = d q per weight, bytes loaded as a [BN, NB, 32] tile)."""
+    b = tl.arange(0, NB)
+    i = tl.arange(0, 32)
+    blk = rp[:, None] + b[None, :] * 34
+    q = gb._i2f(gb._u8(blk[:, :, None] + 2 + i[None, None, :]) ^ 0x80, 128.0)
+    return q * gb._f16(blk)[:, :, None], b[:, None] * 32 + i[None, :]
+
+
+Q8_0_PLAIN = G.GemvType("Q8_0", 8, 32, 34, decode_q8_0_plain, 3, 32, block_n=4, f16_fields=(0,))
+
+# (type, [(N, K)], [(label, GemvType or None for the default, block_n, num_warps)]): the current defaults and the
+# candidates of tools/gemv_sass.py (instructions per weight of the K loop, sm_90)
+SUITE = [
+    ("Q4_K", [(10240, 2560), (2560, 6144), (640, 2560)],
+     [("default", None, None, None), ("bn4 w4", None, 4, 4), ("bn16 w8", None, 16, 8), ("bn8 w4", None, 8, 4)]),
+    ("Q5_1", [(10240, 2560), (2560, 6144), (640, 2560), (2560, 640)],
+     [("default", None, None, None), ("bn4 w4", None, 4, 4), ("bn16 w8", None, 16, 8)]),
+    ("Q8_0", [(10240, 2560), (2560, 6144), (640, 2560)],
+     [("default", None, None, None), ("plain (old) bn4 w4", Q8_0_PLAIN, None, None), ("bn8 w4", None, 8, 4),
+      ("bn2 w4", None, 2, 4)]),
+    ("Q6_K", [(10240, 2560), (2560, 6144), (640, 2560)],
+     [("default", None, None, None), ("bn4 w4", None, 4, 4), ("bn16 w8", None, 16, 8)]),
+]
+GLU_SUITE = [("Q4_K", [(1536, 2560), (640, 2560)]), ("Q5_1", [(1536, 2560)]), ("Q8_0", [(6144, 2560)])]
+"""GLU (gate/up, I x K each): the default launch (rows marked ALIGN-aligned) against ALIGN=1 (the kernel before)."""
+
+
+def glu_call(t: G.GemvType, x, g, u, k, out, aligned: bool) -> None:
+    saved = G._pow2_align
+    if not aligned:
+        G._pow2_align = lambda *a, **kw: 1
+    try:
+        G._launch(t, x, g, None, out, g.shape[0], k, 1, x.shape[0], 0, 0, 0, None, None, up=u)
+    finally:
+        G._pow2_align = saved
+
+
+def _row(name, n, k, label, fn, w0, bank, nbytes, ref_fn, bw):
+    try:
+        out = fn(w0)
+        err = ref_fn(w0, out)
+        s = time_calls([lambda ww=ww: fn(ww) for ww in bank])
+        return {"type": name, "n": n, "k": k, "variant": label, "us": s * 1e6, "GBps": nbytes / s / 1e9,
+                "frac": nbytes / s / bw, "err": err}
+    except Exception as e:  # noqa: BLE001
+        return {"type": name, "n": n, "k": k, "variant": label, "error": f"{type(e).__name__}: {e}"[:300]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--types", default=None, help="comma-separated subset of the suite's types")
     args = ap.parse_args()
+    only = set(args.types.split(",")) if args.types else None
     gen = torch.Generator(device="cuda").manual_seed(0)
     bw = copy_bandwidth(torch.device("cuda"))
     rows_out = []
-    shapes = [(10240, 2560), (2560, 6144), (640, 2560)]
-    for name in ("Q8_0", "Q4_K"):
+    for name, shapes, variants in SUITE:
+        if only and name not in only:
+            continue
         for n, k in shapes:
             w = random_rows(name, n, k, gen)
             ref = quants.dequantize(w, G.gemv_type(name).type_id, k).double()
@@ -203,31 +260,47 @@ def main() -> int:
             copies = max(4, min(96, math.ceil(BANK_BYTES / nbytes)))
             bank = [random_rows(name, n, k, gen) for _ in range(copies)]
             x = torch.randn(1, k, generator=gen, device="cuda").to(torch.bfloat16)
+            xd = x.double()
             out = torch.empty(1, n, device="cuda")
-            variants = [(f"skel default", G.gemv_type(name), w, bank, None, None, "skel", None)]
-            if name == "Q8_0":
-                for nb in (16, 32, 64):
-                    for bn, nw in ((1, 4), (2, 4), (4, 4), (4, 8), (8, 8)):
-                        variants.append((f"skel nb{nb} bn{bn} w{nw}", G.gemv_type(name), w, bank, bn, nw, "skel", nb))
-            else:
-                for nb in (2, 4, 8):
-                    for bn, nw in ((1, 4), (2, 4), (4, 4), (4, 8), (8, 8)):
-                        variants.append((f"nb{nb} bn{bn} w{nw}", Q4_K_NB, w, bank, bn, nw, "skel", nb))
-            for label, t, w0, bk, bn, nw, how, nb in variants:
-                try:
-                    if how == "skel":
-                        fn = lambda ww, t=t, bn=bn, nw=nw, nb=nb: skel_gemv(t, x, ww, k, out, bn, nw, nb)  # noqa: E731
-                    else:
-                        fn = lambda ww, t=t, bn=bn, nw=nw: dot_gemv(t, x, ww, k, out, bn, nw)  # noqa: E731
-                    out.fill_(float("nan"))
-                    fn(w0)
-                    xd = x.double()
-                    err = float(((out.double() - xd @ ref.T).abs() / (xd.abs() @ ref.abs().T)).max())
-                    s = time_calls([lambda ww=ww: fn(ww) for ww in bk])
-                    r = {"type": name, "n": n, "k": k, "variant": label, "us": s * 1e6,
-                         "GBps": nbytes / s / 1e9, "frac": nbytes / s / bw, "err": err}
-                except Exception as e:  # noqa: BLE001
-                    r = {"type": name, "n": n, "k": k, "variant": label, "error": f"{type(e).__name__}: {e}"[:300]}
+
+            def ref_fn(w0, o, xd=xd, ref=ref):
+                return float(((o.double() - xd @ ref.T).abs() / (xd.abs() @ ref.abs().T)).max())
+
+            for label, t, bn, nw in variants:
+                t = t or G.gemv_type(name)
+
+                def fn(ww, t=t, bn=bn, nw=nw, x=x, k=k, out=out):
+                    skel_gemv(t, x, ww, k, out, bn, nw)
+                    return out
+                r = _row(name, n, k, label, fn, w, bank, nbytes, ref_fn, bw)
+                rows_out.append(r)
+                print(json.dumps(r), file=sys.stderr)
+            del bank
+            torch.cuda.empty_cache()
+    for name, shapes in GLU_SUITE:
+        if only and name not in only:
+            continue
+        t = G.gemv_type(name)
+        for n, k in shapes:
+            g, u = random_rows(name, n, k, gen), random_rows(name, n, k, gen)
+            gd = quants.dequantize(g, t.type_id, k).double()
+            ud = quants.dequantize(u, t.type_id, k).double()
+            nbytes = 2 * g.numel()
+            copies = max(4, min(96, math.ceil(BANK_BYTES / nbytes)))
+            bank = [(random_rows(name, n, k, gen), random_rows(name, n, k, gen)) for _ in range(copies)]
+            x = torch.randn(1, k, generator=gen, device="cuda").to(torch.bfloat16)
+            xd = x.double()
+            out = torch.empty(1, n, device="cuda")
+            refv = torch.nn.functional.silu(xd @ gd.T) * (xd @ ud.T)
+
+            def ref_fn(w0, o, refv=refv):
+                return float((o.double() - refv).abs().max() / refv.abs().max())
+
+            for label, aligned in (("glu default", True), ("glu ALIGN=1 (before)", False)):
+                def fn(gu, t=t, x=x, k=k, out=out, aligned=aligned):
+                    glu_call(t, x, gu[0], gu[1], k, out, aligned)
+                    return out
+                r = _row(name, n, k, label, fn, (g, u), bank, nbytes, ref_fn, bw)
                 rows_out.append(r)
                 print(json.dumps(r), file=sys.stderr)
             del bank
