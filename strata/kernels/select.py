@@ -1,0 +1,193 @@
+"""Top-k block selection and token expansion for the QSA indexer, in one launch: the twin of the top-k half of
+`strata.model.qsa.select_tokens` (`torch.topk` plus ~8 small torch ops).
+
+Why. `torch.topk` over the capacity-sized score row (8192 blocks at 32K positions, 32768 at 128K) costs ~58 us
+per QSA layer on an H200 (a radix sort and a gather kernel), ten times the block scores it selects from. Here a
+single program per query finds the k-th largest score with a radix select and writes the token indices and
+their validity directly.
+
+How (one program per query, the row streamed from L2 in chunks of `block`):
+  * Key. Each fp32 score becomes a 32-bit key whose unsigned order is the float order (flip all bits of
+    negatives, the sign bit of the rest). -0.0 is folded into +0.0 and every NaN into +NaN, so the order is
+    torch.topk's (equal floats tie; NaN ranks above +inf).
+  * Radix select. Three histogram passes over 11, 11 and 10 key bits (`tl.histogram`, shared-memory atomics on
+    sm_90) narrow the prefix of the k-th largest key; each pass counts only the keys that share the prefix found
+    so far. After a pass, the chosen digit's bin holds `need` of the remaining picks; when the bin holds exactly
+    `need` keys the rest of the key cannot change the set, and the remaining passes are skipped.
+  * Compaction. One more pass classifies every key against the final prefix T: above T (always chosen) or
+    equal to T (chosen in index order until the `need` left over are taken). A single prefix sum of
+    (above << 16) | equal per chunk gives each chosen block its output slot; blocks are written in ascending
+    block order, each expanded to its c token indices, followed by the tail.
+
+Tie rule: among blocks whose scores equal the k-th largest, the lowest block indices win. The chosen set is
+therefore torch.topk's whenever the k-th and (k+1)-th scores differ. With fewer than k finite scores the rest
+are the lowest-indexed -inf blocks (in range, ok=False), as torch.topk also returns in-range indices there.
+
+Order. Chosen blocks come out in ascending block index, not by score. The consumers (`attend_ref` and the
+`attend` kernel) take a softmax over the whole index set, so the order only changes fp summation order.
+
+Everything is sized by shapes (L, nb, k, c), never by data, and no host sync happens: capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BINS = 2048  # 11-bit digits: 3 passes cover the 32-bit key
+MAX_BLOCK = 16384  # the packed prefix sum holds per-chunk counts in 16 bits
+
+
+@triton.jit
+def _ukey(s):
+    """Key of fp32 scores whose unsigned order (as int32 bits) is the float order, -0.0 folded into +0.0."""
+    b = (s + 0.0).to(tl.int32, bitcast=True)  # -0.0 + 0.0 = +0.0
+    return b ^ ((b >> 31) | -2147483648)  # negatives: flip all bits; others: flip the sign bit
+
+
+@triton.jit
+def _radix_pass(row, NB, need, pre, hmask, offs, bins, SHIFT: tl.constexpr, DMASK: tl.constexpr,
+                BLOCK: tl.constexpr, NBINS: tl.constexpr, EVEN: tl.constexpr):
+    """One digit of the radix select: histogram the digit at SHIFT of the keys matching `pre` under `hmask`,
+    pick the digit holding the need-th largest, and narrow (need, pre, hmask); `going` is False once the chosen
+    bin holds exactly `need` keys (all of them are chosen, so the lower bits cannot matter)."""
+    HM: tl.constexpr = ((DMASK << SHIFT) ^ 0x80000000) - 0x80000000  # the digit's bits, as an int32
+    hist = tl.zeros([NBINS], tl.int32)
+    for c0 in range(0, NB, BLOCK):
+        o = c0 + offs
+        if EVEN:
+            u = _ukey(tl.load(row + o))
+            cand = (u & hmask) == pre
+        else:
+            m = o < NB
+            u = _ukey(tl.load(row + o, mask=m, other=0.0))
+            cand = m & ((u & hmask) == pre)
+        hist += tl.histogram((u >> SHIFT) & DMASK, NBINS, mask=cand)
+    ge = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys with digit >= d
+    d = tl.sum((ge >= need).to(tl.int32), axis=0) - 1  # the digit holding the need-th largest
+    pick = bins == d
+    above = tl.sum(tl.where(pick, ge - hist, 0), axis=0)
+    inbin = tl.sum(tl.where(pick, hist, 0), axis=0)
+    need = need - above
+    return need, pre | (d << SHIFT), hmask | HM, inbin != need
+
+
+@triton.jit
+def _select_kernel(s_ptr, pos_ptr, idx_ptr, ok_ptr, NB, K, s_sl, s_il, s_ol,
+                   C: tl.constexpr, CP: tl.constexpr, TP: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr,
+                   NBINS: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr):
+    l = tl.program_id(0)
+    row = s_ptr + l.to(tl.int64) * s_sl
+    out_i = idx_ptr + l.to(tl.int64) * s_il
+    out_o = ok_ptr + l.to(tl.int64) * s_ol
+    offs = tl.arange(0, BLOCK)
+    bins = tl.arange(0, NBINS)
+    SIGN: tl.constexpr = -2147483648
+
+    # --- radix select: the prefix `pre` (under `hmask`, unsigned key order) of the K-th largest key
+    zero = tl.full([], 0, tl.int32)
+    need = zero + K  # picks still to make among the keys matching the prefix (a tensor even when K is 1)
+    pre = zero
+    hmask = zero
+    going = need > 0
+    # digits of 11, 11, 10 bits; constexpr shifts let the compiler drop the histogram's bin checks
+    if going:
+        need, pre, hmask, going = _radix_pass(row, NB, need, pre, hmask, offs, bins, 21, 0x7FF, BLOCK, NBINS, EVEN)
+    if going:
+        need, pre, hmask, going = _radix_pass(row, NB, need, pre, hmask, offs, bins, 10, 0x7FF, BLOCK, NBINS, EVEN)
+    if going:
+        need, pre, hmask, going = _radix_pass(row, NB, need, pre, hmask, offs, bins, 0, 0x3FF, BLOCK, NBINS, EVEN)
+
+    # --- ties: if keys equal to the K-th largest outnumber the picks left, the lowest block indices win:
+    # `icut` is one past the need-th such key in block order (rare: all 32 key bits are spent by then)
+    thr = pre ^ SIGN  # signed order of (masked key ^ SIGN) is the unsigned order of the masked key
+    icut = zero + NB
+    if going:
+        base = zero
+        for c0 in range(0, NB, BLOCK):
+            o = c0 + offs
+            m = o < NB
+            eq = m & (((_ukey(tl.load(row + o, mask=m, other=0.0)) & hmask) ^ SIGN) == thr)
+            e = eq.to(tl.int32)
+            hit = eq & (base + tl.cumsum(e, axis=0) == need)
+            icut = tl.minimum(icut, tl.min(tl.where(hit, o + 1, NB), axis=0))
+            base += tl.sum(e, axis=0)
+
+    # --- compaction: every key above the prefix, and those equal to it below `icut`, in block order. Each
+    # chosen block's first token goes to its slot (an exclusive prefix sum: per-thread groups of G, then
+    # across groups); the expansion below reads them back.
+    n_sel = tl.where(K > 0, NB, 0)  # K == 0: no pass ran, nothing is chosen
+    base = zero
+    r = tl.arange(0, BLOCK // G)[:, None] * G + tl.arange(0, G)[None, :]
+    for c0 in range(0, NB, BLOCK):
+        o = c0 + r
+        if EVEN:
+            mk = (_ukey(tl.load(row + o)) & hmask) ^ SIGN
+            sel = ((mk > thr) | ((mk == thr) & (o < icut))) & (o < n_sel)
+        else:
+            m = o < n_sel
+            mk = (_ukey(tl.load(row + o, mask=m, other=0.0)) & hmask) ^ SIGN
+            sel = m & ((mk > thr) | ((mk == thr) & (o < icut)))
+        e = sel.to(tl.int32)
+        gs = tl.sum(e, axis=1)
+        slot = base + (tl.cumsum(gs, axis=0) - gs)[:, None] + (tl.cumsum(e, axis=1) - e)
+        tl.store(out_i + slot * C, o.to(tl.int64) * C, mask=sel)
+        base += tl.sum(gs, axis=0)
+    tl.debug_barrier()  # the slots written above by any thread are read below by others
+
+    # --- expansion: each chosen block's c tokens; valid where its score is finite (the block is visible)
+    j = tl.arange(0, CP)
+    jm = j < C
+    for k0 in range(0, K, BK):
+        r = k0 + tl.arange(0, BK)
+        rm = r < K
+        first = tl.load(out_i + r * C, mask=rm, other=0)
+        sc = tl.load(row + first // C, mask=rm, other=0.0)
+        fin = (sc == sc) & (tl.abs(sc) != float("inf"))
+        at = r[:, None] * C + j[None, :]
+        sm = rm[:, None] & jm[None, :]
+        tl.store(out_i + at, first[:, None] + j[None, :], mask=sm & (j[None, :] > 0))
+        tl.store(out_o + at, (fin[:, None] & jm[None, :]).to(tl.int8), mask=sm)
+
+    # --- tail: the query's incomplete block (c - 1 slots), valid up to and including its own position
+    if TP > 0:
+        pos = tl.load(pos_ptr + l).to(tl.int64)
+        t = tl.arange(0, TP)
+        tok = (pos + 1) // C * C + t
+        tm = t < C - 1
+        tl.store(out_i + K * C + t, tok, mask=tm)
+        tl.store(out_o + K * C + t, (tok <= pos).to(tl.int8), mask=tm)
+
+
+def select_blocks(scores: torch.Tensor, positions: torch.Tensor, k: int, c: int, block: int | None = None,
+                  num_warps: int | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token indices (L, k*c + c-1) int64 of each query's top-k blocks by `scores` (L, nb) fp32, expanded to
+    their c tokens, then the tail after the query's complete blocks; and their validity (finite score / tail
+    position <= the query's `positions`). 0 <= k <= nb. See the module docstring for ties and order. `out`:
+    contiguous (idx, ok) to write into (every element is written); `block`/`num_warps`: chunk and warps."""
+    L, nb = scores.shape
+    assert 0 <= k <= nb and c >= 1
+    scores = scores if scores.stride(-1) == 1 else scores.contiguous()
+    positions = positions.contiguous()
+    W = k * c + c - 1
+    if out is None:
+        out = (torch.empty(L, W, dtype=torch.int64, device=scores.device),
+               torch.empty(L, W, dtype=torch.bool, device=scores.device))
+    idx, ok = out
+    assert idx.shape == ok.shape == (L, W) and idx.dtype == torch.int64 and ok.dtype == torch.bool
+    assert idx.stride(-1) == 1 and ok.stride(-1) == 1
+    if L == 0 or W == 0:
+        return idx, ok
+    if block is None:
+        block = 4096 if scores.is_cuda else 1024
+    block = min(block, MAX_BLOCK, max(16, triton.next_power_of_2(nb)))
+    if num_warps is None:
+        num_warps = 16 if block >= 4096 else 8 if block >= 1024 else 4
+    _select_kernel[(L,)](scores, positions, idx, ok.view(torch.int8), nb, k,
+                         scores.stride(0), idx.stride(0), ok.stride(0),
+                         C=c, CP=triton.next_power_of_2(c), TP=triton.next_power_of_2(c - 1) if c > 1 else 0,
+                         BLOCK=block, BK=min(1024, max(16, triton.next_power_of_2(k))), NBINS=BINS, G=8,
+                         EVEN=nb % block == 0, num_warps=num_warps)
+    return idx, ok

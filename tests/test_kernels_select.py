@@ -1,0 +1,189 @@
+"""The top-k selection kernel (`strata.kernels.select`) against torch.topk and the reference `select_tokens`,
+run on the CPU by Triton's interpreter.
+
+The kernel returns the chosen blocks in ascending block order, not by score, and breaks ties at the k-th place
+by lowest block index; so chosen blocks are compared as sorted sets, on score rows drawn without a tie at the
+k-th place (asserted, as tests/test_parity.py does), and ties are checked against the documented rule. The tail
+and every validity flag must match exactly. Shapes are tiny: the interpreter executes every program in Python.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: run the kernels on the CPU
+
+import pytest
+import torch
+import triton  # noqa: F401  (fails the module when Triton is missing)
+
+from strata.config import ModelConfig
+from strata.kernels import attention
+from strata.kernels.select import select_blocks
+from strata.model.qsa import select_tokens
+from tests import reference
+
+NEG = -math.inf
+
+
+def expand_ref(scores: torch.Tensor, positions: torch.Tensor, k: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's expansion (strata.model.qsa.select_tokens) from given scores."""
+    nb_q = (positions + 1) // c
+    tail = nb_q[:, None] * c + torch.arange(c - 1)
+    tail_ok = tail <= positions[:, None]
+    top_v, top_b = scores.topk(k, dim=-1)
+    chosen = (top_b[:, :, None] * c + torch.arange(c)).flatten(1)
+    chosen_ok = torch.isfinite(top_v).repeat_interleave(c, dim=1)
+    return torch.cat([chosen, tail], 1), torch.cat([chosen_ok, tail_ok], 1)
+
+
+def assert_no_tie(scores: torch.Tensor, k: int) -> None:
+    """The k-th and (k+1)-th finite scores of every row differ (else the chosen set is not unique)."""
+    srt = scores.sort(-1, descending=True).values
+    if srt.shape[1] > k:
+        a, b = srt[:, k - 1], srt[:, k]
+        fin = torch.isfinite(b)
+        assert (a[fin] > b[fin]).all()
+
+
+def blocks_of(idx: torch.Tensor, ok: torch.Tensor, k: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block ids (L, k), their ok (L, k)) of the chosen part, after checking each block's c tokens are
+    consecutive and share one ok flag."""
+    tok = idx[:, :k * c].reshape(-1, k, c)
+    okb = ok[:, :k * c].reshape(-1, k, c)
+    assert torch.equal(tok - tok[:, :, :1], torch.arange(c).expand_as(tok))
+    assert (tok[:, :, 0] % c == 0).all()
+    assert torch.equal(okb, okb[:, :, :1].expand_as(okb))
+    return tok[:, :, 0] // c, okb[:, :, 0]
+
+
+def assert_matches_ref(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], k: int,
+                       c: int, nb: int) -> None:
+    """Equal to the reference up to a permutation of the chosen blocks; the tail exactly. Blocks chosen with
+    ok False (-inf fill when fewer than k are visible) are a tie torch.topk breaks its own way: only their
+    number and range must agree (`attend` masks them)."""
+    (gi, go), (wi, wo) = got, want
+    assert gi.shape == wi.shape and go.shape == wo.shape and gi.dtype == torch.int64 and go.dtype == torch.bool
+    gb, gok = blocks_of(gi, go, k, c)
+    wb, wok = blocks_of(wi, wo, k, c)
+    assert torch.equal(gok.sum(1), wok.sum(1))
+    for row in range(gb.shape[0]):
+        assert gb[row][gok[row]].sort().values.tolist() == wb[row][wok[row]].sort().values.tolist()
+        assert len(set(gb[row].tolist())) == k
+    assert (gb >= 0).all() and (gb < nb).all()  # in-range blocks, as torch.topk's
+    assert torch.equal(gi[:, k * c:], wi[:, k * c:]) and torch.equal(go[:, k * c:], wo[:, k * c:])
+
+
+def draw(L: int, nb: int, k: int, seed: int, visible: list[int] | None = None) -> torch.Tensor:
+    """Distinct random scores (L, nb) (a permutation scaled, so no ties anywhere), -inf past `visible`."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.stack([torch.randperm(nb, generator=g).float() * 0.37 - 50.0 for _ in range(L)])
+    if visible is not None:
+        s = s.masked_fill(torch.arange(nb)[None, :] >= torch.tensor(visible)[:, None], NEG)
+    assert_no_tie(s, k)
+    return s
+
+
+SHAPES = [(nb, k) for nb in (7, 64, 300, 1000) for k in (1, 4, 16, 64) if k <= nb]
+
+
+@pytest.mark.parametrize("nb,k", SHAPES)
+@pytest.mark.parametrize("c,L", [(2, 1), (4, 3)])
+def test_topk_set_matches_torch(nb, k, c, L):
+    s = draw(L, nb, k, seed=nb * 100 + k)
+    positions = torch.randint(0, nb * c, (L,), generator=torch.Generator().manual_seed(k))
+    got = select_blocks(s, positions, k, c)
+    assert_matches_ref(got, expand_ref(s, positions, k, c), k, c, nb)
+    gb, _ = blocks_of(*got, k, c)
+    assert (gb.diff(dim=1) > 0).all()  # ascending block order
+
+
+@pytest.mark.parametrize("nb,k", [(7, 4), (64, 16), (300, 64), (1000, 64)])
+def test_fewer_visible_than_k(nb, k):
+    """With fewer finite scores than k, the rest are -inf blocks with ok False, at in-range indices."""
+    c, L = 4, 3
+    visible = [0, k // 2, max(0, k - 1)]
+    s = draw(L, nb, k, seed=nb + k, visible=visible)
+    positions = torch.tensor(visible) * c + torch.tensor([0, 2, 3])
+    got = select_blocks(s, positions, k, c)
+    assert_matches_ref(got, expand_ref(s, positions, k, c), k, c, nb)
+    gb, gok = blocks_of(*got, k, c)
+    for row, v in enumerate(visible):
+        assert int(gok[row].sum()) == v
+        # tie rule: the -inf fill is the lowest-indexed invisible blocks
+        assert gb[row].tolist() == list(range(k))
+
+
+def test_ties_lowest_index_wins():
+    """Equal scores across the k-th place: the lowest block indices among them are chosen."""
+    c, k = 2, 5
+    s = torch.tensor([[1.0, 3.0, 2.0, 2.0, 0.0, 2.0, 2.0, 2.0, -1.0, 2.0],
+                      [0.0, -0.0, 0.0, 5.0, -0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    got = select_blocks(s, torch.tensor([19, 19]), k, c)
+    gb, gok = blocks_of(*got, k, c)
+    assert gb.tolist() == [[1, 2, 3, 5, 6], [0, 1, 2, 3, 4]]  # -0.0 ties with +0.0, as in torch
+    assert gok.all()
+
+
+@pytest.mark.parametrize("values", [[NEG, 3.0, math.inf, -2.5, 1e-30, -1e30, 0.0, 7.0],
+                                    [-1e-38, -3.0, -2.0, NEG, -1.0, -5.0, -0.5, -4.0]])
+def test_key_order_extremes(values):
+    """Signs, infinities and tiny magnitudes keep the float order through the integer key."""
+    s = torch.tensor([values])
+    for k in range(1, len(values) + 1):
+        got = select_blocks(s, torch.tensor([31]), k, 4)
+        gb, gok = blocks_of(*got, k, 4)
+        want = s.topk(k).indices.sort(1).values
+        assert torch.equal(gb, want)
+        assert torch.equal(gok, torch.isfinite(s[0, gb]))
+
+
+@pytest.mark.parametrize("block", [16, 64])
+def test_chunked_rows_and_every_element_written(block):
+    """Rows longer than one chunk (a row count not a multiple of it), strided scores, and poisoned outputs:
+    every element is written."""
+    L, nb, k, c = 3, 300, 64, 4
+    s = draw(L, nb, k, seed=7, visible=[300, 100, 40])
+    wide = torch.full((L, nb + 5), 9e9)
+    wide[:, :nb] = s
+    positions = torch.tensor([1199, 401, 163])
+    idx = torch.full((L, k * c + c - 1), -7, dtype=torch.int64)
+    ok = torch.full((L, k * c + c - 1), 7, dtype=torch.uint8).view(torch.bool)  # neither True nor False
+    got = select_blocks(wide[:, :nb], positions, k, c, block=block, out=(idx, ok))
+    assert got[0] is idx and got[1] is ok
+    assert (idx >= 0).all() and (ok.view(torch.uint8) <= 1).all()
+    assert_matches_ref(got, expand_ref(s, positions, k, c), k, c, nb)
+
+
+@pytest.mark.parametrize("c", [1, 2, 4])
+def test_edge_sizes(c):
+    """k == nb (everything chosen), k == 0 (tail only), c == 1 (no tail)."""
+    s = draw(2, 9, 9, seed=c)
+    positions = torch.tensor([9 * c - 1, 3])
+    assert_matches_ref(select_blocks(s, positions, 9, c), expand_ref(s, positions, 9, c), 9, c, 9)
+    idx, ok = select_blocks(s, positions, 0, c)
+    want = expand_ref(s, positions, 0, c)
+    assert torch.equal(idx, want[0]) and torch.equal(ok, want[1])
+
+
+def config(**overrides) -> ModelConfig:
+    return ModelConfig.from_hf_dict(dict(reference.CONFIGS["tiny"], **overrides))
+
+
+@pytest.mark.parametrize("nb,positions", [(16, [30, 63]), (64, [5, 200, 255])])
+def test_select_tokens_end_to_end(nb, positions):
+    """attention.select_tokens (block-score kernel + this kernel) against the reference select_tokens."""
+    cfg = config(indexer_n_heads=4, indexer_budget=32)  # k = 8 blocks of 4
+    g = torch.Generator().manual_seed(nb)
+    positions = torch.tensor(positions)
+    q = torch.randn(len(positions), cfg.indexer_n_heads, cfg.indexer_head_dim, generator=g)
+    blocks = torch.randn(nb, cfg.indexer_head_dim, generator=g)
+    c, k = cfg.indexer_compress_ratio, min(cfg.block_topk, nb)
+    want = select_tokens(q, blocks, positions, cfg)
+    scores = torch.relu(torch.einsum("lhd,md->lhm", q, blocks)).sum(1) / math.sqrt(cfg.indexer_head_dim)
+    visible = torch.arange(nb)[None, :] < ((positions + 1) // c)[:, None]
+    srt = scores.masked_fill(~visible, NEG).sort(-1, descending=True).values
+    fin = torch.isfinite(srt[:, k])
+    assert (srt[:, k - 1] - srt[:, k])[fin].min() > 1e-4  # no near-tie: fp32 order cannot flip the set
+    assert_matches_ref(attention.select_tokens(q, blocks, positions, cfg), want, k, c, nb)
