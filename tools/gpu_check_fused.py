@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from strata.config import ModelConfig
 from strata.kernels import attention, gdn, hyper, sample
+from strata.kernels.select import select_blocks
 from strata.model.attention import attend_ref
 from strata.model.gdn import GDNParams, gdn_core_ref
 from strata.model.hyper import hc_read_ref
@@ -256,7 +257,20 @@ def check_select(cfg: ModelConfig, ctx: int) -> dict:
     out["bytes"] = nbq * di * 2
     out["scores_only_graph_us"] = time_graph(lambda: attention.block_scores(q, blocks, positions, cfg))
     scores = attention.block_scores(q, blocks, positions, cfg)
-    out["topk_only_graph_us"] = time_graph(lambda: scores.topk(min(kb, scores.shape[1]), dim=-1))
+    k = min(kb, scores.shape[1])
+    out["topk_only_graph_us"] = time_graph(lambda: scores.topk(k, dim=-1))
+    # the selection kernel alone (top-k + expansion + tail), at its default and at other chunk/warp settings;
+    # every setting must give the default's output exactly (same set, same ascending block order)
+    base = select_blocks(scores, positions, k, c)
+    out["select_only_graph_us"] = time_graph(lambda: select_blocks(scores, positions, k, c))
+    sweep = {}
+    for block, warps in ((4096, 16), (8192, 16), (4096, 8), (2048, 8), (8192, 32), (4096, 32)):
+        got = select_blocks(scores, positions, k, c, block=block, num_warps=warps)
+        if not (torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])):
+            raise AssertionError(f"select_blocks block={block} warps={warps} differs from the default")
+        sweep[f"{block}x{warps}"] = time_graph(lambda b=block, w=warps: select_blocks(scores, positions, k, c,
+                                                                                      block=b, num_warps=w))
+    out["select_sweep_graph_us"] = sweep
     return out
 
 
