@@ -55,6 +55,19 @@ def fused_ops(base: Ops, force: bool = False) -> Ops:
     }
     entries = {name: _entry(kernel, supported, getattr(base, name), force)
                for name, (kernel, supported) in table.items()}
+    # the write folded into the next read's two launches where both kernels apply (one token, dense weights,
+    # matching dtypes); else the write and the read through the entries above (which fall back to `base`)
+    write, read = entries["hc_write"], entries["hc_read"]
+
+    def write_then_read(x, inj_prev, y, *read_args):
+        x = write(x, inj_prev, y)
+        return (x, *read(x, *read_args))
+
+    entries["hc_write_read"] = _entry(
+        lambda *a: hyper.hc_write_read(*a[:9]),  # the kernel needs no `linear`
+        lambda x, inj_prev, y, n, down, up, inj, *_: (hyper.supported(x, down, up, inj)
+                                                      and hc_write_kernel.supported(x, inj_prev, y)),
+        write_then_read, force)
     if base.select_tokens is select_tokens_ref:
         entries["select_tokens"] = _entry(attention.select_tokens,
                                           lambda q_idx, *_: q_idx.shape[0] <= attention.MAX_L,

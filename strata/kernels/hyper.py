@@ -19,6 +19,11 @@ early, and nothing is serialised behind them. Two launches:
    S gate rows and the gated stream mean. The last program also reduces the inject rows' partials into
    iota = 2 sigma(. / S).
 
+`hc_write_read` folds the preceding write x' = x + inject_prev * y into the same two launches (a separate
+write launch costs ~1 us of graph gap plus ~1.5 us of runtime, ~96 times per token): the down programs form x'
+from x, y and inject_prev wherever they read x (all inputs are L2-resident, 20 KB at the real geometry), the
+row-block-0 programs store it, and the up kernel reads the stored x'.
+
 Partial sums go through a buffer and are reduced in a fixed order, never with atomics, so the result does not
 depend on scheduling and a CUDA-graph replay equals the eager call bit for bit. Nothing synchronises with the
 host; the two scratch buffers come from the caching allocator (so graph capture keeps them).
@@ -43,12 +48,18 @@ STATS_BLOCK = 2048  # x values per statistics load: bounds the registers the inv
 
 
 @triton.jit
-def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, H, R, NI, RT, NRBD, eps,
+def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, wi_ptr, y_ptr, xo_ptr,
+                    H, R, NI, RT, NRBD, eps,
                     S: tl.constexpr, KPS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr,
-                    NHB: tl.constexpr, DT: tl.constexpr):
+                    NHB: tl.constexpr, DT: tl.constexpr, WRITE: tl.constexpr):
     """part[pk, row] = sum over the chunk's k of W[row, k] * GN(x)[k] (fp32) for BR rows; rstd[s] by one
     program per stream. All global loads come first: the compiler does not move loads above the barriers of
-    the reductions, so this is what puts the weight tile in flight together with the statistics."""
+    the reductions, so this is what puts the weight tile in flight together with the statistics.
+
+    WRITE: the state read is x' = x + round(wi[s] * y) (the preceding block's write, rounded as
+    `hc_write_ref`), formed on the fly from x, y and wi wherever x is read (the chunk and the statistics pass),
+    so the write costs no launch; the row-block-0 programs, whose chunks tile x exactly once, store x' to xo
+    for the up kernel (launched after this one) and the caller."""
     pr = tl.program_id(0)
     pk = tl.program_id(1)
     s = pk // KPS
@@ -69,6 +80,10 @@ def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, H, R
     w = tl.load(wrow[:, None] + k, mask=rm[:, None] & km, other=0.0)
     xv = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
     nv = tl.load(norm_ptr + k, mask=km, other=0.0)
+    if WRITE:
+        wis = tl.load(wi_ptr + s).to(tl.float32)
+        yv = tl.load(y_ptr + k - s * H, mask=km, other=0.0).to(tl.float32)
+        xv = (xv + (wis * yv).to(DT).to(tl.float32)).to(DT).to(tl.float32)
     if KPS == 1:  # the chunk is the whole stream
         ss = tl.sum(tl.sum(xv * xv, axis=1), axis=0)
     else:  # the same instruction sequence in every program of stream s, so all agree on rstd[s]
@@ -76,6 +91,9 @@ def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, H, R
         for t in tl.static_range(NHB):
             h = t * HB + tl.arange(0, HB)
             xs = tl.load(x_ptr + s * H + h, mask=h < H, other=0.0).to(tl.float32)
+            if WRITE:
+                ys = tl.load(y_ptr + h, mask=h < H, other=0.0).to(tl.float32)
+                xs = (xs + (wis * ys).to(DT).to(tl.float32)).to(DT).to(tl.float32)
             acc_ss += xs * xs
         ss = tl.sum(acc_ss, axis=0)
     rs = tl.rsqrt(tl.math.div_rn(ss, H.to(tl.float32)) + eps)
@@ -83,6 +101,9 @@ def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, H, R
     tl.store(part_ptr + pk * RT + col, tl.sum(w.to(tl.float32) * xn, axis=1), mask=rm)
     if (pr == 0) & (c == 0):
         tl.store(rstd_ptr + s, rs)
+    if WRITE:  # noqa: SIM102 - a compile-time branch around a run-time one
+        if pr == 0:  # last: a store ahead of the statistics loads would keep them from being issued early
+            tl.store(xo_ptr + k, xv.to(DT), mask=km)
 
 
 @triton.jit
@@ -201,6 +222,27 @@ def hc_read(x: torch.Tensor, norm: torch.Tensor, down: StoredTensor, up: StoredT
     per stream); `block_h` output features per up program (times S weight rows); `block_r` W_up columns per up
     tile (< R: several chunks, less padding of R, more load instructions); `warps_down`, `warps_up` warps per
     program."""
+    _, a, iota = _launch(x, None, norm, down, up, inject, streams, eps, block_rows, block_h, block_k, block_r,
+                         warps_down, warps_up)
+    return a, iota
+
+
+def hc_write_read(x: torch.Tensor, inject_prev: torch.Tensor, y: torch.Tensor, norm: torch.Tensor,
+                  down: StoredTensor, up: StoredTensor, inject: StoredTensor | None, streams: int, eps: float,
+                  block_rows: int | None = None, block_h: int | None = None, *, block_k: int | None = None,
+                  block_r: int | None = None, warps_down: int | None = None, warps_up: int | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The write x' = x + inject_prev (1, S) x y (1, H) folded into the read of x', in the read's two launches
+    (the twin of `strata.model.hyper.hc_write_read_ref`): (x' (1, S*H), a, injection weights | None). The
+    down programs form x' where they read x; the up kernel reads the x' they stored. Knobs as `hc_read`."""
+    return _launch(x, (inject_prev, y), norm, down, up, inject, streams, eps, block_rows, block_h, block_k,
+                   block_r, warps_down, warps_up)
+
+
+def _launch(x, write, norm, down, up, inject, streams, eps, block_rows, block_h, block_k, block_r, warps_down,
+            warps_up):
+    """Both launches of the read, of x (write None) or of x + round(inject_prev * y) (write = (inject_prev,
+    y)): (x' or None, a, iota or None)."""
     dt, dev = x.dtype, x.device
     S = streams
     SH = x.shape[-1]
@@ -217,6 +259,11 @@ def hc_read(x: torch.Tensor, norm: torch.Tensor, down: StoredTensor, up: StoredT
     rc = min(block_r or d["block_r"], triton.next_power_of_2(R))
     x = x.contiguous()
     norm = norm.float().contiguous()
+    if write is not None:
+        inj_prev, y = write[0].contiguous(), write[1].contiguous()
+        x_new = torch.empty_like(x)
+    else:
+        inj_prev, y, x_new = x, x, x  # unused (WRITE=False): any pointer
     kps = triton.cdiv(H, bk)  # K chunks per stream
     nkc = S * kps
     rt = triton.cdiv(R + ni, 16) * 16  # partial rows padded so that each starts 64-byte aligned
@@ -225,13 +272,13 @@ def hc_read(x: torch.Tensor, norm: torch.Tensor, down: StoredTensor, up: StoredT
     rstd = torch.empty(S, dtype=torch.float32, device=dev)
     hb = min(STATS_BLOCK, triton.next_power_of_2(H))
     _hc_down_kernel[(nrbd + triton.cdiv(ni, br), nkc)](
-        x, norm, wd, wi, part, rstd, H, R, ni, rt, nrbd, eps,
-        S=S, KPS=kps, BR=br, BK=bk, HB=hb, NHB=triton.cdiv(H, hb), DT=TL_DTYPES[dt],
+        x, norm, wd, wi, part, rstd, inj_prev, y, x_new, H, R, ni, rt, nrbd, eps,
+        S=S, KPS=kps, BR=br, BK=bk, HB=hb, NHB=triton.cdiv(H, hb), DT=TL_DTYPES[dt], WRITE=write is not None,
         num_warps=warps_down or d["warps_down"])
     a = torch.empty(1, H, dtype=dt, device=dev)
     iota = torch.empty(1, max(ni, 1), dtype=dt, device=dev)
     _hc_up_kernel[(triton.cdiv(H, bh),)](
-        x, norm, rstd, wu, part, a, iota, H, R, ni, rt,
+        x_new, norm, rstd, wu, part, a, iota, H, R, ni, rt,
         S=S, SP=triton.next_power_of_2(S), NKC=nkc, BH=bh, RC=rc, NRC=triton.cdiv(R, rc),
         NIP=triton.next_power_of_2(ni) if ni else 0, DT=TL_DTYPES[dt], num_warps=warps_up or d["warps_up"])
-    return a, (iota if inject is not None else None)
+    return (x_new if write is not None else None), a, (iota if inject is not None else None)

@@ -43,4 +43,24 @@ def hc_write_ref(x: torch.Tensor, inject: torch.Tensor, y: torch.Tensor) -> torc
     return x + (y.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
 
 
+def hc_write_read_ref(x: torch.Tensor, inject_prev: torch.Tensor, y: torch.Tensor, norm: torch.Tensor,
+                      down: StoredTensor, up: StoredTensor, inject: StoredTensor | None, streams: int, eps: float,
+                      linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A block's write followed by the next read (the next block's, or the final one): (x', a, injection
+    weights | None) with x' = `hc_write_ref`(x, inject_prev, y). One op so that a fast backend can fold the
+    write into the read's launches."""
+    x = hc_write_ref(x, inject_prev, y)
+    a, inj = hc_read_ref(x, norm, down, up, inject, streams, eps, linear)
+    return x, a, inj
+
+
+def hc_write_read(x: torch.Tensor, inject_prev: torch.Tensor, y: torch.Tensor, w: Weights, prefix: str,
+                  streams: int, eps: float, ops: Ops, inject: bool = True,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The write x + inject_prev * y, then the read of hyper-connection `prefix`, through `ops.hc_write_read`."""
+    return ops.hc_write_read(x, inject_prev, y, w[prefix + ".norm"].dense(torch.float32, x.device),
+                             w[prefix + ".down"], w[prefix + ".up"], w[prefix + ".inject"] if inject else None,
+                             streams, eps, ops.linear)
+
+
 hc_write = hc_write_ref  # the reference under its historical name; the model calls `ops.hc_write`

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from strata.model.attention import attend_ref
 from strata.model.experts import experts_ref
 from strata.model.gdn import gdn_core_ref
-from strata.model.hyper import hc_read_ref, hc_write_ref
+from strata.model.hyper import hc_read_ref, hc_write_read_ref, hc_write_ref
 from strata.model.moe import moe_combine_ref, route_ref
 from strata.model.ple import ple_mix_ref
 from strata.model.qsa import norm_rope_ref, select_tokens
@@ -65,3 +65,6 @@ class Ops:
     moe_combine: Callable = moe_combine_ref  # (routed, gate_logit (L, 1), shared) -> (L, H)
     hc_write: Callable = hc_write_ref  # (x (L, S*H), inject (L, S), y (L, H)) -> (L, S*H)
     ple_mix: Callable = ple_mix_ref  # (x, key, value, 3 norm scales, conv_w, window, cfg) -> (L, S*H)
+    # hc_write then hc_read: (x, inject_prev (L, S), y (L, H), norm, down, up, inject|None, S, eps, linear)
+    # -> (x' (L, S*H), a, inject weights|None)
+    hc_write_read: Callable = hc_write_read_ref
