@@ -96,9 +96,12 @@ def test_block_scores_and_selection_match_reference():
     # the k-th and (k+1)-th visible scores are well apart, so both pick the same blocks
     top = want.masked_fill(~visible, -math.inf).sort(-1, descending=True).values
     assert (top[:, cfg.block_topk - 1] - top[:, cfg.block_topk] > 1e-3).all()
-    for a, b in zip(attention.select_tokens(q, blocks, positions, cfg), select_tokens(q, blocks, positions, cfg),
-                    strict=True):
-        assert torch.equal(a, b)
+    (idx, ok), (ridx, rok) = attention.select_tokens(q, blocks, positions, cfg), select_tokens(q, blocks, positions,
+                                                                                             cfg)
+    # the same blocks (the kernel lists them in block order, torch.topk by score), then the same tail
+    n = cfg.block_topk * cfg.indexer_compress_ratio
+    assert torch.equal(idx[:, :n].sort(-1).values, ridx[:, :n].sort(-1).values)
+    assert torch.equal(idx[:, n:], ridx[:, n:]) and torch.equal(ok, rok)
 
 
 # ------------------------------------------------------------------------------------------------ hyper-connections
@@ -208,7 +211,9 @@ def test_fused_ops_dispatch_to_the_reference_off_cuda():
 
 @pytest.fixture(scope="module")
 def tiny_weights(tmp_path_factory):
-    return load_hf(reference.save(reference.build("tiny"), tmp_path_factory.mktemp("tiny")))
+    # 4 indexer heads: with 2, exact-zero ReLU scores tie at the k-th block, which torch.topk breaks arbitrarily
+    # and the selection kernel by lowest block index
+    return load_hf(reference.save(reference.build("tiny", indexer_n_heads=4), tmp_path_factory.mktemp("tiny")))
 
 
 def test_tiny_model_decode_matches_reference(tiny_weights):

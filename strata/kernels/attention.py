@@ -15,8 +15,9 @@ after the same roundings.
 Indexer scores (`block_scores`). At 128K context there are 32K pooled block keys (8 MiB in bf16). The
 reference scores every block of the capacity-sized buffer and masks afterwards; the kernel masks the *loads*
 by the query's visible block count (read from device memory), so it reads only the blocks that exist yet and
-costs O(context), not O(capacity). The top-k stays `torch.topk` (capturable), and the token expansion is the
-reference's, so the selection agrees with `select_tokens` whenever the k-th block's margin exceeds fp32
+costs O(context), not O(capacity). The top-k and the token expansion are one more launch
+(`strata.kernels.select`: a radix select, ties at the k-th score to the lowest block index, blocks listed in
+block order), so the selected set agrees with `select_tokens` whenever the k-th block's margin exceeds fp32
 accumulation-order rounding.
 """
 
