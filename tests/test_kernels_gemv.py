@@ -315,19 +315,3 @@ def test_model_decode_with_fused_groups(name, tmp_path, monkeypatch) -> None:
     ids = torch.randint(2, ref.cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(6)).tolist()
     reference.assert_decodes_match(ref, fast, ids, prompt=4, capacity=16)
     assert launches
-
-
-def test_pow2_align():
-    from strata.kernels.gemv import _pow2_align
-    assert _pow2_align(0, 1440, 4096) == 16
-    assert _pow2_align(2100) == 4
-    assert _pow2_align(34, 16) == 2
-    assert _pow2_align(7) == 1
-    assert _pow2_align(64, most=8) == 8
-
-
-def test_factored_types_declare_their_rank():
-    """A factored decoder's accumulator rank (RANK - factored) keeps at least the row dimension."""
-    from strata.kernels.gemv import _TYPE_LIST
-    for t in _TYPE_LIST:
-        assert 0 <= t.factored < t.rank, t.name

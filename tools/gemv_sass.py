@@ -48,8 +48,7 @@ def _spec(v: int) -> tuple[str, bool]:
 
 
 def compile_kernel(t: G.GemvType, n: int, k: int, bn: int | None = None, nw: int | None = None,
-                   nb: int | None = None, kernel: str = "gemv", x_dtype: str = "bf16", arch: int = 90,
-                   align: int | None = None):
+                   nb: int | None = None, kernel: str = "gemv", x_dtype: str = "bf16", arch: int = 90):
     """The CompiledKernel of one launch of `kernel` ("gemv", "glu" or "sum") and its launch facts."""
     if nb is not None:
         t = dataclasses.replace(t, max_chunk_blocks=nb)
@@ -59,8 +58,6 @@ def compile_kernel(t: G.GemvType, n: int, k: int, bn: int | None = None, nw: int
     w_ty = {None: "*u8"}.get(t.dense_dtype, {"F32": "*fp32", "F16": "*fp16", "BF16": "*bf16"}.get(t.name, "*u8"))
     rb = G.row_bytes(t.type_id, k) if t.type_id >= 0 else k // t.block_elems * t.block_bytes
     row_stride = k if t.dense_dtype is not None else rb
-    if align is None:  # as the launcher computes it for 16-byte aligned tensors
-        align = G._pow2_align(row_stride * {"*fp32": 4, "*fp16": 2, "*bf16": 2}.get(w_ty, 1))
     if kernel == "gemv":
         fn = G._gemv_kernel
         ints = dict(N=n, n_chunks=n_chunks, w_row_stride=row_stride, w_slot_stride=0, x_tok_stride=k,
@@ -76,7 +73,7 @@ def compile_kernel(t: G.GemvType, n: int, k: int, bn: int | None = None, nw: int
                     u_slot_stride=0, x_tok_stride=k, x_slot_stride=0, out_tok_stride=n, out_slot_stride=0)
         ptrs = dict(x_ptr=f"*{x_dtype}", g_ptr=w_ty, u_ptr=w_ty, ids_ptr=w_ty, tab_ptr="*fp32" if t.table else w_ty,
                     out_ptr="*fp32")
-        consts = dict(dec, BN=rows, T=1, T_PAD=1, HAS_IDS=False, ACT="silu", ALIGN=align)
+        consts = dict(dec, BN=rows, T=1, T_PAD=1, HAS_IDS=False, ACT="silu")
         tile_rows = 2 * rows
     elif kernel == "sum":
         fn = G._sum_kernel
@@ -135,7 +132,7 @@ def _opcode(line: str) -> str | None:
 
 def sass_loop(cubin: bytes) -> tuple[list[str], int, int]:
     """(the K loop body's SASS lines, registers, local-memory bytes) of a one-function cubin. The loop is the
-    longest innermost span between a label and a later backward branch to it."""
+    longest span between a label and a later backward branch to it."""
     with tempfile.TemporaryDirectory() as d:
         f = Path(d) / "k.cubin"
         f.write_bytes(cubin)
@@ -147,13 +144,13 @@ def sass_loop(cubin: bytes) -> tuple[list[str], int, int]:
     local = int(re.search(r"LOCAL:(\d+)", res).group(1))
     lines = text.splitlines()
     labels = {m.group(1): i for i, l in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", l))}
-    spans = []
+    best = None
     for i, l in enumerate(lines):
         m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", l)
         if m and labels.get(m.group(1), 1 << 30) < i:
-            spans.append((labels[m.group(1)], i))
-    inner = [a for a in spans if not any(b != a and a[0] <= b[0] and b[1] <= a[1] for b in spans)]
-    best = max(inner, key=lambda a: a[1] - a[0], default=None)
+            span = (labels[m.group(1)], i)
+            if best is None or span[1] - span[0] > best[1] - best[0]:
+                best = span
     body = [l for l in lines[best[0]:best[1] + 1] if _opcode(l)] if best else []
     return body, regs, local
 

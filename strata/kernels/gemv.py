@@ -69,8 +69,6 @@ class GemvType:
         programs stream too few bytes each, so fewer rows per program (more programs) win.
     dense_dtype: the element type of dense rows (None for block types).
     f16_fields: byte offsets of the fp16 scale fields in a block (for making random blocks with sane scales).
-    factored: 0, or the decoder returns (q, s, xo), w = q * s, s constant over q's last `factored` dimensions
-        (each of size 2, built by joins; see `gemv_blocks`), instead of (w, xo).
     """
 
     name: str
@@ -86,7 +84,6 @@ class GemvType:
     small: tuple[int, int] | None = None
     dense_dtype: torch.dtype | None = None
     f16_fields: tuple[int, ...] = ()
-    factored: int = 0
 
 
 _TYPE_LIST: tuple[GemvType, ...] = (
@@ -100,7 +97,7 @@ _TYPE_LIST: tuple[GemvType, ...] = (
     GemvType("Q4_1", 3, 32, 20, gb.decode_q4_1, 6, 8, num_warps=8, f16_fields=(0, 2)),
     GemvType("Q5_0", 6, 32, 22, gb.decode_q5_0, 5, 8, f16_fields=(0,)),
     GemvType("Q5_1", 7, 32, 24, gb.decode_q5_1, 6, 8, block_n=8, f16_fields=(0, 2)),
-    GemvType("Q8_0", 8, 32, 34, gb.decode_q8_0, 7, 32, block_n=4, f16_fields=(0,), factored=4),
+    GemvType("Q8_0", 8, 32, 34, gb.decode_q8_0, 3, 32, block_n=4, f16_fields=(0,)),
     GemvType("IQ4_NL", 20, 32, 18, gb.decode_iq4_nl, 4, 8, table="IQ4", f16_fields=(0,)),
     GemvType("Q2_0", 42, 64, 18, gb.decode_q2_0, 6, 4, f16_fields=(0,)),
     GemvType("Q2_K", 10, 256, 84, gb.decode_q2_k, 5, 1, f16_fields=(80, 82)),
@@ -158,10 +155,16 @@ def _x(xc, xo, xs, t: tl.constexpr):
 
 @triton.jit
 def _rowsum(a, RANK: tl.constexpr):
-    """Sum over every dimension but the first (rows), innermost first."""
-    for i in tl.static_range(RANK - 1):
-        a = tl.sum(a, axis=RANK - 1 - i)
-    return a
+    """Sum over every dimension but the first (rows)."""
+    if RANK >= 6:
+        a = tl.sum(a, axis=5)
+    if RANK >= 5:
+        a = tl.sum(a, axis=4)
+    if RANK >= 4:
+        a = tl.sum(a, axis=3)
+    if RANK >= 3:
+        a = tl.sum(a, axis=2)
+    return tl.sum(a, axis=1)
 
 
 @triton.jit
@@ -174,54 +177,18 @@ def _put(res, a, t: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, RANK: tl
 
 
 @triton.jit
-def _chain(q, xt, acc, JD: tl.constexpr):
-    """acc + the sum of q * xt over their last JD dimensions (each of size 2, built by joins, so inside each
-    thread), as one chain of multiply-adds (a tree, as tl.sum builds it, costs a third more instructions)."""
-    if JD == 0:
-        return acc + q * xt
-    else:
-        qa, qb = tl.split(q)
-        xa, xb = tl.split(xt)
-        return _chain(qb, xb, _chain(qa, xa, acc, JD - 1), JD - 1)
-
-
-@triton.jit
-def _prod(w, s, xt, FACTORED: tl.constexpr):
-    """The chunk's contribution to one token's accumulator: w * x elementwise, or for a factored decoder
-    s * (the sum of q * x over the last FACTORED dimensions)."""
-    if FACTORED > 0:
-        return _chain(w, xt, 0.0, FACTORED) * s
-    else:
-        return w * xt
-
-
-@triton.jit
-def _decode(rp, tab_ptr, DECODE: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, FACTORED: tl.constexpr):
-    """(w, s, xo) of either decoder form (s = 1.0 for the plain form, unused)."""
-    if FACTORED > 0:
-        w, s, xo = DECODE(rp, tab_ptr, ROWS, NB)
-    else:
-        w, xo = DECODE(rp, tab_ptr, ROWS, NB)
-        s = 1.0
-    return w, s, xo
-
-
-@triton.jit
 def _tile(xp, xs, rp, tab_ptr, n_chunks,
           DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr,
-          NB: tl.constexpr, ROWS: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, FACTORED: tl.constexpr):
+          NB: tl.constexpr, ROWS: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr):
     """[ROWS, T_PAD] fp32: res[r, t] = (the row at pointer rp[r]) . (x token t at xp + t*xs), for t < T <= 8.
 
     Each chunk is decoded once into a weight tile and multiplied by each token's x into that token's accumulator,
     a tile of the same shape and layout (so no data moves between threads inside the loop); the tiles are summed
-    over their K dimensions once, after the loop. A factored decoder (FACTORED) returns codes q and a scale s
-    instead of w = q * s: then the products q * x are first summed over the tile's last FACTORED dimensions (which
-    joins build inside each thread, so the sum moves no data) and scaled once per sum, and the accumulators drop those
-    dimensions. The first chunk initialises the accumulators (their shape is the decoder's); the accumulators of
-    tokens past T are compile-time placeholders that generate no code. The rows need not belong to one matrix (the
-    GLU kernel decodes gate and up rows in one tile)."""
-    w, s, xo = _decode(rp, tab_ptr, DECODE, ROWS, NB, FACTORED)
-    a0 = _prod(w, s, _x(xp, xo, xs, 0), FACTORED)
+    over their K dimensions once, after the loop. The first chunk initialises the accumulators (their shape is the
+    decoder's); the accumulators of tokens past T are compile-time placeholders that generate no code. The rows
+    need not belong to one matrix (the GLU kernel decodes gate and up rows in one tile)."""
+    w, xo = DECODE(rp, tab_ptr, ROWS, NB)
+    a0 = w * _x(xp, xo, xs, 0)
     a1 = 0.0
     a2 = 0.0
     a3 = 0.0
@@ -230,47 +197,46 @@ def _tile(xp, xs, rp, tab_ptr, n_chunks,
     a6 = 0.0
     a7 = 0.0
     if T > 1:
-        a1 = _prod(w, s, _x(xp, xo, xs, 1), FACTORED)
+        a1 = w * _x(xp, xo, xs, 1)
     if T > 2:
-        a2 = _prod(w, s, _x(xp, xo, xs, 2), FACTORED)
+        a2 = w * _x(xp, xo, xs, 2)
     if T > 3:
-        a3 = _prod(w, s, _x(xp, xo, xs, 3), FACTORED)
+        a3 = w * _x(xp, xo, xs, 3)
     if T > 4:
-        a4 = _prod(w, s, _x(xp, xo, xs, 4), FACTORED)
+        a4 = w * _x(xp, xo, xs, 4)
     if T > 5:
-        a5 = _prod(w, s, _x(xp, xo, xs, 5), FACTORED)
+        a5 = w * _x(xp, xo, xs, 5)
     if T > 6:
-        a6 = _prod(w, s, _x(xp, xo, xs, 6), FACTORED)
+        a6 = w * _x(xp, xo, xs, 6)
     if T > 7:
-        a7 = _prod(w, s, _x(xp, xo, xs, 7), FACTORED)
+        a7 = w * _x(xp, xo, xs, 7)
     for c in range(1, n_chunks):
         xc = xp + c * CHUNK_X
-        w, s, xo = _decode(rp + c * CHUNK_W, tab_ptr, DECODE, ROWS, NB, FACTORED)
-        a0 += _prod(w, s, _x(xc, xo, xs, 0), FACTORED)
+        w, xo = DECODE(rp + c * CHUNK_W, tab_ptr, ROWS, NB)
+        a0 += w * _x(xc, xo, xs, 0)
         if T > 1:
-            a1 += _prod(w, s, _x(xc, xo, xs, 1), FACTORED)
+            a1 += w * _x(xc, xo, xs, 1)
         if T > 2:
-            a2 += _prod(w, s, _x(xc, xo, xs, 2), FACTORED)
+            a2 += w * _x(xc, xo, xs, 2)
         if T > 3:
-            a3 += _prod(w, s, _x(xc, xo, xs, 3), FACTORED)
+            a3 += w * _x(xc, xo, xs, 3)
         if T > 4:
-            a4 += _prod(w, s, _x(xc, xo, xs, 4), FACTORED)
+            a4 += w * _x(xc, xo, xs, 4)
         if T > 5:
-            a5 += _prod(w, s, _x(xc, xo, xs, 5), FACTORED)
+            a5 += w * _x(xc, xo, xs, 5)
         if T > 6:
-            a6 += _prod(w, s, _x(xc, xo, xs, 6), FACTORED)
+            a6 += w * _x(xc, xo, xs, 6)
         if T > 7:
-            a7 += _prod(w, s, _x(xc, xo, xs, 7), FACTORED)
-    ARANK: tl.constexpr = RANK - FACTORED
+            a7 += w * _x(xc, xo, xs, 7)
     res = tl.zeros([ROWS, T_PAD], dtype=tl.float32)
-    res = _put(res, a0, 0, T, T_PAD, ARANK)
-    res = _put(res, a1, 1, T, T_PAD, ARANK)
-    res = _put(res, a2, 2, T, T_PAD, ARANK)
-    res = _put(res, a3, 3, T, T_PAD, ARANK)
-    res = _put(res, a4, 4, T, T_PAD, ARANK)
-    res = _put(res, a5, 5, T, T_PAD, ARANK)
-    res = _put(res, a6, 6, T, T_PAD, ARANK)
-    res = _put(res, a7, 7, T, T_PAD, ARANK)
+    res = _put(res, a0, 0, T, T_PAD, RANK)
+    res = _put(res, a1, 1, T, T_PAD, RANK)
+    res = _put(res, a2, 2, T, T_PAD, RANK)
+    res = _put(res, a3, 3, T, T_PAD, RANK)
+    res = _put(res, a4, 4, T, T_PAD, RANK)
+    res = _put(res, a5, 5, T, T_PAD, RANK)
+    res = _put(res, a6, 6, T, T_PAD, RANK)
+    res = _put(res, a7, 7, T, T_PAD, RANK)
     return res
 
 
@@ -317,7 +283,7 @@ def _gemv_kernel(
     N, n_chunks,
     w_row_stride, w_slot_stride, x_tok_stride, x_slot_stride, out_tok_stride, out_slot_stride,
     DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr, NB: tl.constexpr,
-    FACTORED: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr,
+    BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr,
 ):
     """out[slot, t, rows] = W[slot's matrix][rows] . x[slot, t] for BN rows, T <= 8 tokens.
 
@@ -330,7 +296,7 @@ def _gemv_kernel(
     rows_c = tl.minimum(rows, N - 1).to(tl.int64)
     rp = w_ptr + _matrix(ids_ptr, slot, HAS_IDS) * w_slot_stride + rows_c * w_row_stride
     res = _tile(x_ptr + slot * x_slot_stride, x_tok_stride, rp, tab_ptr, n_chunks,
-                DECODE, RANK, CHUNK_W, CHUNK_X, NB, BN, T, T_PAD, FACTORED)
+                DECODE, RANK, CHUNK_W, CHUNK_X, NB, BN, T, T_PAD)
     _store(out_ptr + slot * out_slot_stride, res, rows, N, out_tok_stride, T, T_PAD)
 
 
@@ -348,8 +314,7 @@ def _glu_kernel(
     g_row_stride, u_row_stride, g_slot_stride, u_slot_stride, x_tok_stride, x_slot_stride,
     out_tok_stride, out_slot_stride,
     DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr, NB: tl.constexpr,
-    FACTORED: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr,
-    ACT: tl.constexpr, ALIGN: tl.constexpr = 1,
+    BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr, ACT: tl.constexpr,
 ):
     """out[slot, t, rows] = act(G[rows] . x) * (U[rows] . x), G and U the gate and up matrices of `slot`.
 
@@ -364,10 +329,8 @@ def _glu_kernel(
     mat = _matrix(ids_ptr, slot, HAS_IDS)
     rp = tl.where(r < BN, g_ptr + mat * g_slot_stride + rows_c * g_row_stride,
                   u_ptr + mat * u_slot_stride + rows_c * u_row_stride)
-    if ALIGN > 1:  # every row start is ALIGN-byte aligned (the launcher checks): the compiler's alignment
-        rp = tl.multiple_of(rp, ALIGN)  # analysis loses it through the select (Q4_K: byte loads, 3x instructions)
     res = _tile(x_ptr + slot * x_slot_stride, x_tok_stride, rp, tab_ptr, n_chunks,
-                DECODE, RANK, CHUNK_W, CHUNK_X, NB, 2 * BN, T, T_PAD, FACTORED)
+                DECODE, RANK, CHUNK_W, CHUNK_X, NB, 2 * BN, T, T_PAD)
     g, u = tl.split(tl.permute(tl.reshape(res, [2, BN, T_PAD]), (1, 2, 0)))
     dt: tl.constexpr = out_ptr.dtype.element_ty
     y = _rounded(_act(_rounded(g, dt), ACT), dt) * _rounded(u, dt)
@@ -380,7 +343,7 @@ def _sum_kernel(
     N, n_chunks, n_slots,
     w_row_stride, w_slot_stride, x_slot_stride, out_tok_stride,
     DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr, NB: tl.constexpr,
-    FACTORED: tl.constexpr, BN: tl.constexpr,
+    BN: tl.constexpr,
 ):
     """out[tok, rows] = sum_j sw[s] * (W[ids[s]][rows] . x[s]), s = tok*n_slots + j, for BN rows.
 
@@ -395,7 +358,7 @@ def _sum_kernel(
         s = tok * n_slots + j
         rp = w_ptr + tl.load(ids_ptr + s).to(tl.int64) * w_slot_stride + rows_c * w_row_stride
         res = _tile(x_ptr + s * x_slot_stride, 0, rp, tab_ptr, n_chunks,
-                    DECODE, RANK, CHUNK_W, CHUNK_X, NB, BN, 1, 1, FACTORED)
+                    DECODE, RANK, CHUNK_W, CHUNK_X, NB, BN, 1, 1)
         acc += res * tl.load(sw_ptr + s).to(tl.float32)
     _store(out_ptr + tok * out_tok_stride, acc, rows, N, 0, 1, 1)
 
@@ -483,8 +446,7 @@ def _decode_args(t: GemvType, k: int) -> tuple[int, dict[str, Any]]:
     nb = _chunk_blocks(t, k)
     chunk_w = nb if t.dense_dtype is not None else nb * t.block_bytes  # elements of dense rows, bytes of packed
     return k // (nb * t.block_elems), {
-        "DECODE": t.decode, "RANK": t.rank, "CHUNK_W": chunk_w, "CHUNK_X": nb * t.block_elems, "NB": nb,
-        "FACTORED": t.factored}
+        "DECODE": t.decode, "RANK": t.rank, "CHUNK_W": chunk_w, "CHUNK_X": nb * t.block_elems, "NB": nb}
 
 
 def _small(t: GemvType, n_tok: int, total_rows: int) -> bool:
@@ -507,15 +469,6 @@ def _warps(t: GemvType, n_tok: int, num_warps: int | None, total_rows: int = 1 <
     if _small(t, n_tok, total_rows):
         return t.small[1]
     return t.num_warps if n_tok == 1 else MULTI_TOKEN_WARPS
-
-
-def _pow2_align(*byte_values: int, most: int = 16) -> int:
-    """The largest power of two <= most dividing every value (a byte alignment every row start shares)."""
-    a = most
-    for v in byte_values:
-        while v % a:
-            a //= 2
-    return a
 
 
 def _table(t: GemvType, w: torch.Tensor) -> torch.Tensor:
@@ -541,13 +494,10 @@ def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | N
             BN=bn, **consts)
     else:
         bn = max(2, bn // 2)  # rows of each matrix: the tile of gate and up rows is the plain kernel's
-        es = w.element_size()
-        align = _pow2_align(w.data_ptr(), up.data_ptr(), w.stride(-2) * es, up.stride(-2) * es,
-                            w_slot_stride * es, up_slot_stride * es)
         _glu_kernel[(triton.cdiv(n, bn), slots)](
             x, w, up, ids, _table(t, w), out, n, n_chunks,
             w.stride(-2), up.stride(-2), w_slot_stride, up_slot_stride, x.stride(0), x_slot_stride,
-            out.stride(0), out_slot_stride, BN=bn, ACT=act, ALIGN=align, **consts)
+            out.stride(0), out_slot_stride, BN=bn, ACT=act, **consts)
 
 
 def gemv(x: torch.Tensor, w_data: torch.Tensor, type_id: int | str, K: int, out: torch.Tensor | None = None,

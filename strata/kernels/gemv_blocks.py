@@ -15,19 +15,6 @@ takes any of them as a compile-time argument:
 The skeleton multiplies w by x and accumulates elementwise over the chunks, reducing across the tile only once at
 the end: a cross-thread reduction per chunk (or per sub-block) costs as much as the decode itself.
 
-A decoder may instead be *factored* (`GemvType.factored = J > 0`):
-
-    q, s, xo = decode(rp, tab, BN, NB)
-
-    q    fp32 codes [BN, *S, 2, ..., 2] whose last J dimensions (of size 2) are built by tl.join, hence held inside
-         one thread; w = q * s
-    s    fp32 scales broadcastable to [BN, *S] (constant over the J dimensions)
-    xo   int offsets [*S, 2, ..., 2] of the matching x elements
-
-The skeleton then sums q * x over the J dimensions as one chain of FMAs inside each thread (no data moves) and
-multiplies by s once per 2^J weights, and its accumulators are [BN, *S]: one multiply per weight fewer and
-2^J times fewer accumulator registers. Only worth it where the scale is a pure factor (no per-weight min).
-
 How the decoders are built, and why:
 * The packed bytes are loaded once each, in a tile shaped like the block layout (e.g. [BN, 4, 32] for the 128
   nibble bytes of Q4_K), and the bit fields are split off into an extra dimension (nibble, 2-bit plane) rather than
@@ -113,36 +100,13 @@ def decode_dense(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def _s8x2(v):
-    """[..., 2]: the two bytes of 16-bit words v (int32, bytes already ^ 0x80) as int8 values in fp32, [..., a] =
-    byte a."""
-    return tl.join(_i2f(v & 255, 128.0), _i2f(v >> 8, 128.0))
-
-
-@triton.jit
-def _s8x4(p):
-    """[..., 2, 2]: the int8 bytes at (2-byte aligned) p .. p+3 as fp32, [..., a, b] = byte 2b + a."""
-    return tl.join(_s8x2(_u16(p) ^ 0x8080), _s8x2(_u16(p + 2) ^ 0x8080))
-
-
-@triton.jit
-def _o2(o, STEP: tl.constexpr):
-    """[..., 2]: offsets o and o + STEP (the x offsets matching one more join)."""
-    return tl.join(o, o + STEP)
-
-
-@triton.jit
 def decode_q8_0(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
-    """Q8_0: {fp16 d; int8 q[32]}, w = d q. Factored, 4 summed dimensions: q [BN, NB, 2 = half, 2, 2, 2, 2],
-    the 16 bytes of each half-block inside one thread (read as 8 uint16: the 34-byte blocks are only 2-byte
-    aligned), q[.., h, a, b, c, e] = byte 16h + 8e + 4c + 2b + a; s = d [BN, NB, 1]."""
+    """Q8_0: {fp16 d; int8 q[32]}, w = d q. [BN, NB, 32]."""
     b = tl.arange(0, NB)
-    h = tl.arange(0, 2)
+    i = tl.arange(0, 32)
     blk = rp[:, None] + b[None, :] * 34
-    p = blk[:, :, None] + 2 + 16 * h[None, None, :]
-    q = tl.join(tl.join(_s8x4(p), _s8x4(p + 4)), tl.join(_s8x4(p + 8), _s8x4(p + 12)))
-    xo = _o2(_o2(_o2(_o2(b[:, None] * 32 + 16 * h[None, :], 1), 2), 4), 8)
-    return q, _f16(blk)[:, :, None], xo
+    q = _i2f(_u8(blk[:, :, None] + 2 + i[None, None, :]) ^ 0x80, 128.0)
+    return q * _f16(blk)[:, :, None], b[:, None] * 32 + i[None, :]
 
 
 @triton.jit
