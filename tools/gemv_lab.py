@@ -217,17 +217,11 @@ SUITE = [
      [("default", None, None, None), ("bn4 w4", None, 4, 4), ("bn16 w8", None, 16, 8)]),
 ]
 GLU_SUITE = [("Q4_K", [(1536, 2560), (640, 2560)]), ("Q5_1", [(1536, 2560)]), ("Q8_0", [(6144, 2560)])]
-"""GLU (gate/up, I x K each): the default launch (rows marked ALIGN-aligned) against ALIGN=1 (the kernel before)."""
+"""GLU (gate/up, I x K each), the default launch."""
 
 
-def glu_call(t: G.GemvType, x, g, u, k, out, aligned: bool) -> None:
-    saved = G._pow2_align
-    if not aligned:
-        G._pow2_align = lambda *a, **kw: 1
-    try:
-        G._launch(t, x, g, None, out, g.shape[0], k, 1, x.shape[0], 0, 0, 0, None, None, up=u)
-    finally:
-        G._pow2_align = saved
+def glu_call(t: G.GemvType, x, g, u, k, out) -> None:
+    G._launch(t, x, g, None, out, g.shape[0], k, 1, x.shape[0], 0, 0, 0, None, None, up=u)
 
 
 def _row(name, n, k, label, fn, w0, bank, nbytes, ref_fn, bw):
@@ -296,9 +290,9 @@ def main() -> int:
             def ref_fn(w0, o, refv=refv):
                 return float((o.double() - refv).abs().max() / refv.abs().max())
 
-            for label, aligned in (("glu default", True), ("glu ALIGN=1 (before)", False)):
-                def fn(gu, t=t, x=x, k=k, out=out, aligned=aligned):
-                    glu_call(t, x, gu[0], gu[1], k, out, aligned)
+            for label in ("glu default",):
+                def fn(gu, t=t, x=x, k=k, out=out):
+                    glu_call(t, x, gu[0], gu[1], k, out)
                     return out
                 r = _row(name, n, k, label, fn, (g, u), bank, nbytes, ref_fn, bw)
                 rows_out.append(r)
