@@ -32,6 +32,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import dataclasses  # noqa: E402
+
 from strata.kernels import gemv as G  # noqa: E402
 from strata.kernels import gemv_blocks as gb  # noqa: E402
 from strata.runtime.bench import copy_bandwidth  # noqa: E402
@@ -191,32 +193,25 @@ def time_calls(calls, replays: int = 15) -> float:
     return statistics.median(ts)
 
 
-@triton.jit
-def decode_q8_0_plain(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
-    """The Q8_0 decoder before the factored one (w = d q per weight, bytes loaded as a [BN, NB, 32] tile)."""
-    b = tl.arange(0, NB)
-    i = tl.arange(0, 32)
-    blk = rp[:, None] + b[None, :] * 34
-    q = gb._i2f(gb._u8(blk[:, :, None] + 2 + i[None, None, :]) ^ 0x80, 128.0)
-    return q * gb._f16(blk)[:, :, None], b[:, None] * 32 + i[None, :]
+
+def staged(name: str, stages: int) -> G.GemvType:
+    """The production type of `name` with a software-pipelined K loop of `stages` stages."""
+    return dataclasses.replace(G.gemv_type(name), stages=stages)
 
 
-Q8_0_PLAIN = G.GemvType("Q8_0", 8, 32, 34, decode_q8_0_plain, 3, 32, block_n=4, f16_fields=(0,))
-
-# (type, [(N, K)], [(label, GemvType or None for the default, block_n, num_warps)]): the current defaults and the
-# candidates of tools/gemv_sass.py (instructions per weight of the K loop, sm_90)
+# (type, [(N, K)], [(label, GemvType or None for the default, block_n, num_warps)]): the current defaults against
+# software-pipelined K loops (Triton's num_stages: later chunks' loads in flight while one is decoded)
 SUITE = [
-    ("Q4_K", [(10240, 2560), (2560, 6144), (640, 2560)],
-     [("default", None, None, None), ("bn4 w4", None, 4, 4), ("bn16 w8", None, 16, 8), ("bn8 w4", None, 8, 4)]),
-    ("Q5_1", [(10240, 2560), (2560, 6144), (640, 2560), (2560, 640)],
-     [("default", None, None, None), ("bn4 w4", None, 4, 4), ("bn16 w8", None, 16, 8)]),
-    ("Q8_0", [(10240, 2560), (2560, 6144), (640, 2560)],
-     [("default", None, None, None), ("plain (old) bn4 w4", Q8_0_PLAIN, None, None), ("bn8 w4", None, 8, 4),
-      ("bn2 w4", None, 2, 4)]),
-    ("Q6_K", [(10240, 2560), (2560, 6144), (640, 2560)],
-     [("default", None, None, None), ("bn4 w4", None, 4, 4), ("bn16 w8", None, 16, 8)]),
+    (name, shapes, [("default", None, None, None), ("st2", staged(name, 2), None, None),
+                    ("st3", staged(name, 3), None, None), ("st3 bn2 w4", staged(name, 3), 2, 4)])
+    for name, shapes in (("Q8_0", [(10240, 2560), (2560, 6144), (640, 2560)]),
+                         ("Q4_K", [(10240, 2560), (640, 2560)]),
+                         ("Q5_1", [(2560, 640)]),
+                         ("Q6_K", [(10240, 2560)]))
 ]
-GLU_SUITE = [("Q4_K", [(1536, 2560), (640, 2560)]), ("Q5_1", [(1536, 2560)]), ("Q8_0", [(6144, 2560)])]
+EXPERTS = [("Q4_K", 640, 2560, "glu"), ("Q5_1", 2560, 640, "down")]
+"""Routed-expert launches at the real shapes (10 of 256 experts): gate/up GLU and the per-slot down projection."""
+GLU_SUITE = [("Q4_K", [(1536, 2560)])]
 """GLU (gate/up, I x K each), the default launch."""
 
 
@@ -299,6 +294,39 @@ def main() -> int:
                 print(json.dumps(r), file=sys.stderr)
             del bank
             torch.cuda.empty_cache()
+    for name, n, k, kind in EXPERTS:
+        if only and name not in only:
+            continue
+        stack_g = random_rows(name, 256 * n, k, gen).view(256, n, -1)
+        stack_u = random_rows(name, 256 * n, k, gen).view(256, n, -1) if kind == "glu" else None
+        nbytes = 10 * n * stack_g.shape[-1] * (2 if kind == "glu" else 1)
+        id_sets = [torch.randperm(256, generator=gen, device="cuda")[:10].to(torch.int32) for _ in range(48)]
+        x = torch.randn(1 if kind == "glu" else 10, k, generator=gen, device="cuda").to(torch.bfloat16)
+        for label, stages, bn in (("default", 1, None), ("st2", 2, None), ("st3", 3, None), ("st3 bn4", 3, 4),
+                                  ("bn4", 1, 4), ("bn16", 1, 16)):
+            t = staged(name, stages)
+
+            def fn(ids, t=t, bn=bn, x=x, k=k, kind=kind):
+                if kind == "glu":
+                    G._launch(t, x, stack_g, ids, out_e, n, k, 10, 1, stack_g.stride(0), 0, out_e.stride(0), bn,
+                              None, up=stack_u, up_slot_stride=stack_u.stride(0))
+                else:
+                    G._launch(t, x, stack_g, ids, out_e, n, k, 10, 1, stack_g.stride(0), x.stride(0),
+                              out_e.stride(0), bn, None)
+                return out_e
+
+            out_e = torch.empty(10, n, device="cuda", dtype=torch.bfloat16 if kind == "glu" else torch.float32)
+            try:
+                s_call = time_calls([lambda ids=ids: fn(ids) for ids in id_sets])
+                r = {"type": name, "n": n, "k": k, "variant": f"experts {kind} {label}", "us": s_call * 1e6,
+                     "GBps": nbytes / s_call / 1e9, "frac": nbytes / s_call / bw, "err": 0.0}
+            except Exception as e:  # noqa: BLE001
+                r = {"type": name, "n": n, "k": k, "variant": f"experts {kind} {label}",
+                     "error": f"{type(e).__name__}: {e}"[:300]}
+            rows_out.append(r)
+            print(json.dumps(r), file=sys.stderr)
+        del stack_g, stack_u
+        torch.cuda.empty_cache()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     print(f"{'type':<6}{'shape':>12} {'variant':<24}{'us':>8}{'GB/s':>8}{'frac':>6}{'err':>9}")
     for r in rows_out:

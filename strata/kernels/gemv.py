@@ -65,6 +65,8 @@ class GemvType:
     table: the lookup table the decode gathers from (`gemv_tables.device_table`), if any.
     block_n, num_warps: launch defaults for one token, rows and warps per program (several tokens: see
         MULTI_TOKEN_ROWS).
+    stages: software-pipelining depth of the K loop (Triton's `num_stages`: loads of later chunks issued while
+        the current one is decoded); 1 = none.
     small: (rows, warps) for one token when a launch covers at most SMALL_LAUNCH_ROWS rows in all: there too few
         programs stream too few bytes each, so fewer rows per program (more programs) win.
     dense_dtype: the element type of dense rows (None for block types).
@@ -82,6 +84,7 @@ class GemvType:
     block_n: int = 16
     num_warps: int = 4
     small: tuple[int, int] | None = None
+    stages: int = 1
     dense_dtype: torch.dtype | None = None
     f16_fields: tuple[int, ...] = ()
 
@@ -179,7 +182,7 @@ def _put(res, a, t: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, RANK: tl
 @triton.jit
 def _tile(xp, xs, rp, tab_ptr, n_chunks,
           DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr,
-          NB: tl.constexpr, ROWS: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr):
+          NB: tl.constexpr, ROWS: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, STAGES: tl.constexpr):
     """[ROWS, T_PAD] fp32: res[r, t] = (the row at pointer rp[r]) . (x token t at xp + t*xs), for t < T <= 8.
 
     Each chunk is decoded once into a weight tile and multiplied by each token's x into that token's accumulator,
@@ -210,7 +213,7 @@ def _tile(xp, xs, rp, tab_ptr, n_chunks,
         a6 = w * _x(xp, xo, xs, 6)
     if T > 7:
         a7 = w * _x(xp, xo, xs, 7)
-    for c in range(1, n_chunks):
+    for c in tl.range(1, n_chunks, num_stages=STAGES):
         xc = xp + c * CHUNK_X
         w, xo = DECODE(rp + c * CHUNK_W, tab_ptr, ROWS, NB)
         a0 += w * _x(xc, xo, xs, 0)
@@ -283,6 +286,7 @@ def _gemv_kernel(
     N, n_chunks,
     w_row_stride, w_slot_stride, x_tok_stride, x_slot_stride, out_tok_stride, out_slot_stride,
     DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr, NB: tl.constexpr,
+    STAGES: tl.constexpr,
     BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr,
 ):
     """out[slot, t, rows] = W[slot's matrix][rows] . x[slot, t] for BN rows, T <= 8 tokens.
@@ -296,7 +300,7 @@ def _gemv_kernel(
     rows_c = tl.minimum(rows, N - 1).to(tl.int64)
     rp = w_ptr + _matrix(ids_ptr, slot, HAS_IDS) * w_slot_stride + rows_c * w_row_stride
     res = _tile(x_ptr + slot * x_slot_stride, x_tok_stride, rp, tab_ptr, n_chunks,
-                DECODE, RANK, CHUNK_W, CHUNK_X, NB, BN, T, T_PAD)
+                DECODE, RANK, CHUNK_W, CHUNK_X, NB, BN, T, T_PAD, STAGES)
     _store(out_ptr + slot * out_slot_stride, res, rows, N, out_tok_stride, T, T_PAD)
 
 
@@ -314,6 +318,7 @@ def _glu_kernel(
     g_row_stride, u_row_stride, g_slot_stride, u_slot_stride, x_tok_stride, x_slot_stride,
     out_tok_stride, out_slot_stride,
     DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr, NB: tl.constexpr,
+    STAGES: tl.constexpr,
     BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr, ACT: tl.constexpr,
 ):
     """out[slot, t, rows] = act(G[rows] . x) * (U[rows] . x), G and U the gate and up matrices of `slot`.
@@ -330,7 +335,7 @@ def _glu_kernel(
     rp = tl.where(r < BN, g_ptr + mat * g_slot_stride + rows_c * g_row_stride,
                   u_ptr + mat * u_slot_stride + rows_c * u_row_stride)
     res = _tile(x_ptr + slot * x_slot_stride, x_tok_stride, rp, tab_ptr, n_chunks,
-                DECODE, RANK, CHUNK_W, CHUNK_X, NB, 2 * BN, T, T_PAD)
+                DECODE, RANK, CHUNK_W, CHUNK_X, NB, 2 * BN, T, T_PAD, STAGES)
     g, u = tl.split(tl.permute(tl.reshape(res, [2, BN, T_PAD]), (1, 2, 0)))
     dt: tl.constexpr = out_ptr.dtype.element_ty
     y = _rounded(_act(_rounded(g, dt), ACT), dt) * _rounded(u, dt)
@@ -343,6 +348,7 @@ def _sum_kernel(
     N, n_chunks, n_slots,
     w_row_stride, w_slot_stride, x_slot_stride, out_tok_stride,
     DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr, NB: tl.constexpr,
+    STAGES: tl.constexpr,
     BN: tl.constexpr,
 ):
     """out[tok, rows] = sum_j sw[s] * (W[ids[s]][rows] . x[s]), s = tok*n_slots + j, for BN rows.
@@ -358,7 +364,7 @@ def _sum_kernel(
         s = tok * n_slots + j
         rp = w_ptr + tl.load(ids_ptr + s).to(tl.int64) * w_slot_stride + rows_c * w_row_stride
         res = _tile(x_ptr + s * x_slot_stride, 0, rp, tab_ptr, n_chunks,
-                    DECODE, RANK, CHUNK_W, CHUNK_X, NB, BN, 1, 1)
+                    DECODE, RANK, CHUNK_W, CHUNK_X, NB, BN, 1, 1, STAGES)
         acc += res * tl.load(sw_ptr + s).to(tl.float32)
     _store(out_ptr + tok * out_tok_stride, acc, rows, N, 0, 1, 1)
 
@@ -446,7 +452,8 @@ def _decode_args(t: GemvType, k: int) -> tuple[int, dict[str, Any]]:
     nb = _chunk_blocks(t, k)
     chunk_w = nb if t.dense_dtype is not None else nb * t.block_bytes  # elements of dense rows, bytes of packed
     return k // (nb * t.block_elems), {
-        "DECODE": t.decode, "RANK": t.rank, "CHUNK_W": chunk_w, "CHUNK_X": nb * t.block_elems, "NB": nb}
+        "DECODE": t.decode, "RANK": t.rank, "CHUNK_W": chunk_w, "CHUNK_X": nb * t.block_elems, "NB": nb,
+        "STAGES": t.stages}
 
 
 def _small(t: GemvType, n_tok: int, total_rows: int) -> bool:
