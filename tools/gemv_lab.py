@@ -1,165 +1,44 @@
-"""GEMV design experiments on the GPU (run on the device box): which layout/kernel reads quantized rows fastest.
+"""GEMV design experiments on the GPU (run on the device box): launch shapes and pipelining per type and shape.
 
-Variants, each checked against "dequantize, then x @ W^T in float64" and timed over a bank of weight copies far
+Each variant is checked against "dequantize, then x @ W^T in float64" and timed over a bank of weight copies far
 larger than L2 (so every byte comes from HBM), as GB/s of stored bytes and a fraction of the copy bandwidth:
 
-* `skel`     the production skeleton (`strata.kernels.gemv`) on ggml's own layout;
-* `skel_g8`  the same skeleton on Q8_0 regrouped by eight blocks ({8 fp16 d}{8 x 32 int8 q}, 272 bytes: the
-             same bytes, but the quants 16-byte aligned, so they load as 16-byte vectors instead of bytes);
-* `dot`      a tensor-core variant: per 32-weight (sub-)block, tl.dot(q as exact bf16 integers, x (K, 16) bf16)
-             accumulated in fp32 and scaled per block afterwards (no per-weight scale multiply, no x reloads
-             per row), on Q8_0 (grouped) and on Q4_K (ggml's layout; the mins enter as -dmin*m*sum(x)).
+* `SUITE`: per type and shape, the production defaults (`strata.kernels.gemv`) against software-pipelined K
+  loops (`GemvType.stages`) and fewer rows per program;
+* `EXPERTS`: the routed-expert launches at the real shapes (10 of 256 experts per call): gate/up GLU, down;
+* `GLU_SUITE`: the gate/up GLU of one matrix pair.
 
-* the suite (`SUITE`, `GLU_SUITE`): per type and shape, the current defaults against the candidates of
-  tools/gemv_sass.py (rows/warps, the pre-factored Q8_0 decoder, the GLU kernel without its alignment mark).
+Earlier variants (Q8_0 regrouped by 8 blocks, a tensor-core dot per block, a factored Q8_0 decoder) and their
+timings are in bench/results/2026-12-02-h200-gemv-lab*.json.
 
-    python tools/gemv_lab.py --out lab.json            # the suite, ~1-2 minutes on an H200
+    python tools/gemv_lab.py --out lab.json            # ~1-2 minutes on an H200
     python tools/gemv_lab.py --types Q4_K,Q8_0
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import dataclasses  # noqa: E402
-
 from strata.kernels import gemv as G  # noqa: E402
-from strata.kernels import gemv_blocks as gb  # noqa: E402
 from strata.runtime.bench import copy_bandwidth  # noqa: E402
 from strata.weights import quants  # noqa: E402
+from tools.gpu_check_gemv import time_graph  # noqa: E402
 
 BANK_BYTES = 800 << 20
 
 
-def regroup_q8_0(rows: torch.Tensor, k: int) -> torch.Tensor:
-    """(N, K/32*34) ggml Q8_0 rows -> the same bytes as groups of 8 blocks: {8 x fp16 d}{8 x 32 q}."""
-    n = rows.shape[0]
-    b = rows.reshape(n, k // 256, 8, 34)
-    return torch.cat([b[..., :2].reshape(n, k // 256, 16), b[..., 2:].reshape(n, k // 256, 256)], -1).reshape(n, -1)
-
-
-@triton.jit
-def decode_q8_0_g8(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
-    """Q8_0 regrouped by 8 blocks: {fp16 d[8]; int8 q[8][32]}. [BN, 8, 32]."""
-    b = tl.arange(0, 8)
-    i = tl.arange(0, 32)
-    d = gb._f16(rp[:, None] + 2 * b[None, :])
-    q = gb._u8(rp[:, None, None] + 16 + (b[:, None] * 32 + i[None, :])[None, :, :])
-    return gb._i2f(q ^ 0x80, 128.0) * d[:, :, None], b[:, None] * 32 + i[None, :]
-
-
-Q8_0_G8 = G.GemvType("Q8_0_G8", -1, 32, 34, decode_q8_0_g8, 3, 8, block_n=8)
-
-
-@triton.jit
-def _dot_q8g_kernel(x_ptr, w_ptr, out_ptr, N, K, NG, row_bytes, T, BN: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid * BN + tl.arange(0, BN)
-    rp = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * row_bytes
-    i = tl.arange(0, 32)
-    t = tl.arange(0, 16)
-    acc = tl.zeros([BN, 16], tl.float32)
-    for g in range(NG):
-        gp = rp + g * 272
-        for b in tl.static_range(8):
-            d = gb._f16(gp + 2 * b)
-            q = gb._u8(gp[:, None] + 16 + b * 32 + i[None, :])
-            qf = gb._i2f(q ^ 0x80, 128.0).to(tl.bfloat16)
-            xb = tl.load(x_ptr + t[None, :] * K + (g * 256 + b * 32 + i)[:, None], mask=t[None, :] < T, other=0.0)
-            acc += d[:, None] * tl.dot(qf, xb.to(tl.bfloat16))
-    tl.store(out_ptr + t[None, :] * N + rows[:, None], acc, mask=(rows[:, None] < N) & (t[None, :] < T))
-
-
-@triton.jit
-def _dot_q4k_kernel(x_ptr, w_ptr, out_ptr, N, K, NSB, row_bytes, T, BN: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid * BN + tl.arange(0, BN)
-    rp = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * row_bytes
-    i = tl.arange(0, 32)
-    t = tl.arange(0, 16)
-    s8 = tl.arange(0, 8)
-    acc = tl.zeros([BN, 16], tl.float32)
-    for sb in range(NSB):
-        bp = rp + sb * 144
-        sc, mn = gb._k4_scale_min(bp + 4, s8[None, :])  # [BN, 1, 8]
-        sc = tl.reshape(sc, [BN, 8]) * gb._f16(bp)[:, None]
-        mn = tl.reshape(mn, [BN, 8]) * gb._f16(bp + 2)[:, None]
-        for c in tl.static_range(4):
-            qb = gb._u8(bp[:, None] + 16 + c * 32 + i[None, :])
-            for h in tl.static_range(2):
-                s = 2 * c + h
-                qf = gb._i2f((qb >> (4 * h)) & 15, 0.0).to(tl.bfloat16)
-                xo = sb * 256 + c * 64 + h * 32 + i
-                xb = tl.load(x_ptr + t[None, :] * K + xo[:, None], mask=t[None, :] < T, other=0.0).to(tl.float32)
-                scs = tl.sum(tl.where(s8[None, :] == s, sc, 0.0), axis=1)
-                mns = tl.sum(tl.where(s8[None, :] == s, mn, 0.0), axis=1)
-                acc += scs[:, None] * tl.dot(qf, xb.to(tl.bfloat16)) - mns[:, None] * tl.sum(xb, axis=0)[None, :]
-    tl.store(out_ptr + t[None, :] * N + rows[:, None], acc, mask=(rows[:, None] < N) & (t[None, :] < T))
-
-
-@triton.jit
-def _k4_scale_min_nb(sp, s):
-    """_k4_scale_min for [BN, NB] pointers and a [4] tile of sub-block ids: two [BN, NB, 4, 1] fp32 tiles."""
-    j = (s & 3)[None, None, :, None]
-    low = (s < 4)[None, None, :, None]
-    p = sp[:, :, None, None] + j
-    b0 = gb._u8(p)
-    b4 = gb._u8(p + 4)
-    b8 = gb._u8(p + 8)
-    sc = tl.where(low, b0 & 63, (b8 & 15) | ((b0 >> 6) << 4))
-    mn = tl.where(low, b4 & 63, (b8 >> 4) | ((b4 >> 6) << 4))
-    return gb._i2f(sc, 0.0), gb._i2f(mn, 0.0)
-
-
-@triton.jit
-def decode_q4_k_nb(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
-    """Q4_K over NB super-blocks per chunk. [BN, NB, 4, 32, 2]."""
-    s = tl.arange(0, NB)
-    c = tl.arange(0, 4)
-    i = tl.arange(0, 32)
-    bp = rp[:, None] + s[None, :] * 144
-    qb = gb._u8(bp[:, :, None, None] + 16 + (c[:, None] * 32 + i[None, :])[None, None, :, :])
-    sl, ml = _k4_scale_min_nb(bp + 4, 2 * c)
-    sh, mh = _k4_scale_min_nb(bp + 4, 2 * c + 1)
-    d = gb._f16(bp)[:, :, None, None]
-    dm = gb._f16(bp + 2)[:, :, None, None]
-    base = s[:, None, None] * 256 + c[None, :, None] * 64 + i[None, None, :]
-    return (tl.join(gb._i2f(qb & 15, 0.0) * (d * sl) - dm * ml, gb._i2f(qb >> 4, 0.0) * (d * sh) - dm * mh),
-            tl.join(base, base + 32))
-
-
-def dot_gemv(kind: str, x: torch.Tensor, w: torch.Tensor, k: int, out: torch.Tensor, bn: int, nw: int) -> None:
-    n = w.shape[0]
-    if kind == "Q8_0_G8":
-        _dot_q8g_kernel[(triton.cdiv(n, bn),)](x, w, out, n, k, k // 256, w.stride(0), x.shape[0], BN=bn,
-                                              num_warps=nw)
-    else:
-        _dot_q4k_kernel[(triton.cdiv(n, bn),)](x, w, out, n, k, k // 256, w.stride(0), x.shape[0], BN=bn,
-                                              num_warps=nw)
-
-
-def skel_gemv(t: G.GemvType, x, w, k, out, bn, nw, nb: int | None = None) -> None:
-    if nb is not None:
-        import dataclasses
-        nb = min(nb, k // t.block_elems)
-        while (k // t.block_elems) % nb:
-            nb //= 2
-        t = dataclasses.replace(t, max_chunk_blocks=nb)
+def skel_gemv(t: G.GemvType, x, w, k, out, bn, nw) -> None:
+    """One launch of the production kernel for type description t (block_n / num_warps overrides or None)."""
     G._launch(t, x, w, None, out, w.shape[0], k, 1, x.shape[0], 0, 0, 0, bn, nw)
-
-
-Q4_K_NB = G.GemvType("Q4_K_NB", -2, 256, 144, decode_q4_k_nb, 5, 1, block_n=8)
 
 
 def random_rows(name: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -170,28 +49,6 @@ def random_rows(name: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor
         mag = torch.rand((n, nb), generator=gen, device="cuda") * 0.015 + 0.005
         data[..., off:off + 2] = mag.to(torch.float16).view(torch.uint8).reshape(n, nb, 2)
     return data.reshape(n, nb * t.block_bytes)
-
-
-def time_calls(calls, replays: int = 15) -> float:
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3 / len(calls))
-    return statistics.median(ts)
-
 
 
 def staged(name: str, stages: int) -> G.GemvType:
@@ -223,7 +80,7 @@ def _row(name, n, k, label, fn, w0, bank, nbytes, ref_fn, bw):
     try:
         out = fn(w0)
         err = ref_fn(w0, out)
-        s = time_calls([lambda ww=ww: fn(ww) for ww in bank])
+        s = time_graph([lambda ww=ww: fn(ww) for ww in bank])
         return {"type": name, "n": n, "k": k, "variant": label, "us": s * 1e6, "GBps": nbytes / s / 1e9,
                 "frac": nbytes / s / bw, "err": err}
     except Exception as e:  # noqa: BLE001
@@ -306,18 +163,18 @@ def main() -> int:
                                   ("bn4", 1, 4), ("bn16", 1, 16)):
             t = staged(name, stages)
 
-            def fn(ids, t=t, bn=bn, x=x, k=k, kind=kind):
+            def fn(ids, t=t, bn=bn, x=x, k=k, kind=kind, sg=stack_g, su=stack_u):
                 if kind == "glu":
-                    G._launch(t, x, stack_g, ids, out_e, n, k, 10, 1, stack_g.stride(0), 0, out_e.stride(0), bn,
-                              None, up=stack_u, up_slot_stride=stack_u.stride(0))
+                    G._launch(t, x, sg, ids, out_e, n, k, 10, 1, sg.stride(0), 0, out_e.stride(0), bn,
+                              None, up=su, up_slot_stride=su.stride(0))
                 else:
-                    G._launch(t, x, stack_g, ids, out_e, n, k, 10, 1, stack_g.stride(0), x.stride(0),
-                              out_e.stride(0), bn, None)
+                    G._launch(t, x, sg, ids, out_e, n, k, 10, 1, sg.stride(0), x.stride(0), out_e.stride(0), bn,
+                              None)
                 return out_e
 
             out_e = torch.empty(10, n, device="cuda", dtype=torch.bfloat16 if kind == "glu" else torch.float32)
             try:
-                s_call = time_calls([lambda ids=ids: fn(ids) for ids in id_sets])
+                s_call = time_graph([lambda ids=ids: fn(ids) for ids in id_sets])
                 r = {"type": name, "n": n, "k": k, "variant": f"experts {kind} {label}", "us": s_call * 1e6,
                      "GBps": nbytes / s_call / 1e9, "frac": nbytes / s_call / bw, "err": 0.0}
             except Exception as e:  # noqa: BLE001

@@ -1,6 +1,6 @@
 """Offline instruction count of the GEMV kernels (no GPU needed): compile for sm_90, disassemble, count the main loop.
 
-Compiles `strata.kernels.gemv._gemv_kernel` (or the GLU / slot-sum kernel) for a GPUTarget("cuda", 90) with the
+Compiles `strata.kernels.gemv._gemv_kernel` (or the GLU kernel) for a GPUTarget("cuda", 90) with the
 constexprs `_launch` would pass for a one-token decode of an N x K matrix of the given type (defaults, or
 --bn/--warps/--nb overrides), with the integer/pointer specialization the launcher would apply (ints that are
 multiples of 16 and 16-byte aligned pointers marked divisible by 16; the weight pointer is, the strides are when
@@ -15,7 +15,7 @@ If nvdisasm is missing it falls back to counting PTX instructions in the loop (l
     python tools/gemv_sass.py Q4_K Q5_1 Q8_0 Q6_K                 # defaults at 10240x2560
     python tools/gemv_sass.py Q4_K --n 640 --k 2560 --bn 2 --warps 4
     python tools/gemv_sass.py Q4_K --dump                          # print the loop body's SASS
-    python tools/gemv_sass.py Q8_0 --variant lab:Q8_0_G8           # a GemvType defined in tools/gemv_lab.py
+    python tools/gemv_sass.py lab:NAME                             # a GemvType defined in tools/gemv_lab.py
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _spec(v: int) -> tuple[str, bool]:
 
 def compile_kernel(t: G.GemvType, n: int, k: int, bn: int | None = None, nw: int | None = None,
                    nb: int | None = None, kernel: str = "gemv", x_dtype: str = "bf16", arch: int = 90):
-    """The CompiledKernel of one launch of `kernel` ("gemv", "glu" or "sum") and its launch facts."""
+    """The CompiledKernel of one launch of `kernel` ("gemv" or "glu") and its launch facts."""
     if nb is not None:
         t = dataclasses.replace(t, max_chunk_blocks=nb)
     n_chunks, dec = G._decode_args(t, k)
@@ -75,14 +75,6 @@ def compile_kernel(t: G.GemvType, n: int, k: int, bn: int | None = None, nw: int
                     out_ptr="*fp32")
         consts = dict(dec, BN=rows, T=1, T_PAD=1, HAS_IDS=False, ACT="silu")
         tile_rows = 2 * rows
-    elif kernel == "sum":
-        fn = G._sum_kernel
-        ints = dict(N=n, n_chunks=n_chunks, n_slots=8, w_row_stride=row_stride, w_slot_stride=row_stride * n,
-                    x_slot_stride=k, out_tok_stride=n)
-        ptrs = dict(x_ptr=f"*{x_dtype}", w_ptr=w_ty, ids_ptr="*i32", sw_ptr="*fp32",
-                    tab_ptr="*fp32" if t.table else w_ty, out_ptr="*fp32")
-        consts = dict(dec, BN=rows)
-        tile_rows = rows
     else:
         raise ValueError(kernel)
     sig, attrs = {}, {}
@@ -228,7 +220,7 @@ def main() -> int:
     ap.add_argument("--bn", type=int, default=None)
     ap.add_argument("--warps", type=int, default=None)
     ap.add_argument("--nb", type=int, default=None, help="blocks per loop step (max_chunk_blocks)")
-    ap.add_argument("--kernel", default="gemv", choices=("gemv", "glu", "sum"))
+    ap.add_argument("--kernel", default="gemv", choices=("gemv", "glu"))
     ap.add_argument("--dump", action="store_true", help="print the loop body's SASS")
     args = ap.parse_args()
     for name in args.types:

@@ -3,16 +3,17 @@
 Decode at batch 1 is memory-bound: every weight byte is read once per token, so the GEMV reads the packed blocks
 as they are stored, decodes them in registers and never writes a dequantized copy. Each block type has one
 decoder (`gemv_blocks.py`); one loop (`_tile`) runs any of them over a tile of rows, looping over K in chunks,
-with fp32 accumulation. Three kernels wrap it:
+with fp32 accumulation. Two kernels wrap it (the plain one, and the GLU one for gate/up pairs):
 
     gemv(x (T, K), w_data (N, row_bytes) uint8, type_id, K)                -> (T, N)
     gemv_experts(x (k|1, K), w_data (E, N, row_bytes), expert_ids (k,), type_id, K) -> (k, N)
     gemv_glu(x (T, K), gate_data (I, rb), up_data (I, rb), type_id, K)      -> (T, I)  silu(x G^T) * (x U^T)
     gemv_experts_glu(x (k|1, K), gate_data (E, I, rb), up_data (E, I, rb), expert_ids (k,), type_id, K) -> (k, I)
-    gemv_experts_sum(x (T*k, K), w_data (E, N, rb), expert_ids (T, k), slot_weights (T, k), type_id, K) -> (T, N)
 
-The fused ones exist to cut launches at decode (~40 per layer otherwise): a MoE layer's routed experts take two
-(gate/up + SiLU, then down + weighted combine) instead of three GEMVs plus elementwise and reduction kernels.
+The GLU ones exist to cut launches at decode: gate, up and SiLU of an MLP (or of all k routed experts) in one.
+A kernel that also summed the k routed experts' down projections inside each program (looping over the slots)
+measured 8x slower on an H200 than one launch over all slots plus `strata.kernels.moe.slot_sum`: each program
+then runs k dependent K loops.
 Outputs are float32, bfloat16 or float16 (`out=` or `out_dtype=`), rounded once from fp32 at the store.
 
 `gemv_experts*` run the k routed experts of a MoE layer in one launch: the expert ids are read on the device, so
@@ -342,33 +343,6 @@ def _glu_kernel(
     _store(out_ptr + slot * out_slot_stride, y, pid * BN + tl.arange(0, BN), N, out_tok_stride, T, T_PAD)
 
 
-@triton.jit
-def _sum_kernel(
-    x_ptr, w_ptr, ids_ptr, sw_ptr, tab_ptr, out_ptr,
-    N, n_chunks, n_slots,
-    w_row_stride, w_slot_stride, x_slot_stride, out_tok_stride,
-    DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr, NB: tl.constexpr,
-    STAGES: tl.constexpr,
-    BN: tl.constexpr,
-):
-    """out[tok, rows] = sum_j sw[s] * (W[ids[s]][rows] . x[s]), s = tok*n_slots + j, for BN rows.
-
-    Program (i, tok) runs its token's slots one after another, in order, adding each slot's fp32 row result
-    times its weight into one accumulator: no atomics, so the sum is the same on every run."""
-    pid = tl.program_id(0)
-    tok = tl.program_id(1).to(tl.int64)
-    rows = pid * BN + tl.arange(0, BN)
-    rows_c = tl.minimum(rows, N - 1).to(tl.int64)
-    acc = tl.zeros([BN, 1], dtype=tl.float32)
-    for j in range(n_slots):
-        s = tok * n_slots + j
-        rp = w_ptr + tl.load(ids_ptr + s).to(tl.int64) * w_slot_stride + rows_c * w_row_stride
-        res = _tile(x_ptr + s * x_slot_stride, 0, rp, tab_ptr, n_chunks,
-                    DECODE, RANK, CHUNK_W, CHUNK_X, NB, BN, 1, 1, STAGES)
-        acc += res * tl.load(sw_ptr + s).to(tl.float32)
-    _store(out_ptr + tok * out_tok_stride, acc, rows, N, 0, 1, 1)
-
-
 def _chunk_blocks(t: GemvType, k: int) -> int:
     """Blocks per loop step: the largest power of two <= max_chunk_blocks dividing the row's block count."""
     n_blocks = k // t.block_elems
@@ -431,6 +405,15 @@ def _check_ids(ids: torch.Tensor, w: torch.Tensor, dims: tuple[int, ...] = (1,))
         raise ValueError(f"expert_ids on {ids.device}, weights on {w.device}")
     if not ids.is_contiguous():
         raise ValueError("expert_ids: must be contiguous")
+
+
+def _slots(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> tuple[int, int]:
+    """(slots, x's stride between slots) for the expert launches: x has one row per slot, or one row for all."""
+    _check_ids(ids, w)
+    k_sel = ids.shape[0]
+    if x.shape[0] not in (1, k_sel):
+        raise ValueError(f"x: {x.shape[0]} rows for {k_sel} experts (expected 1 or {k_sel})")
+    return k_sel, 0 if x.shape[0] == 1 else x.stride(0)
 
 
 def _glu_weights(t: GemvType, gate_data: torch.Tensor, up_data: torch.Tensor, k: int,
@@ -540,12 +523,9 @@ def gemv_experts(x: torch.Tensor, w_data: torch.Tensor, expert_ids: torch.Tensor
     t = gemv_type(type_id)
     w = _weights(t, w_data, K, 3)
     _check_x(x, K, w)
-    _check_ids(expert_ids, w)
-    k_sel, n = expert_ids.shape[0], w.shape[1]
-    if x.shape[0] not in (1, k_sel):
-        raise ValueError(f"x: {x.shape[0]} rows for {k_sel} experts (expected 1 or {k_sel})")
+    k_sel, x_slot_stride = _slots(x, expert_ids, w)
+    n = w.shape[1]
     out = _out(out, (k_sel, n), w.device, out_dtype)
-    x_slot_stride = 0 if x.shape[0] == 1 else x.stride(0)
     _launch(t, x, w, expert_ids, out, n, K, k_sel, 1, w.stride(0), x_slot_stride, out.stride(0), block_n,
             num_warps)
     return out
@@ -589,54 +569,9 @@ def gemv_experts_glu(x: torch.Tensor, gate_data: torch.Tensor, up_data: torch.Te
     _check_act(act)
     g, u = _glu_weights(t, gate_data, up_data, K, 3)
     _check_x(x, K, g)
-    _check_ids(expert_ids, g)
-    k_sel, n = expert_ids.shape[0], g.shape[1]
-    if x.shape[0] not in (1, k_sel):
-        raise ValueError(f"x: {x.shape[0]} rows for {k_sel} experts (expected 1 or {k_sel})")
+    k_sel, x_slot_stride = _slots(x, expert_ids, g)
+    n = g.shape[1]
     out = _out(out, (k_sel, n), g.device, out_dtype)
-    x_slot_stride = 0 if x.shape[0] == 1 else x.stride(0)
     _launch(t, x, g, expert_ids, out, n, K, k_sel, 1, g.stride(0), x_slot_stride, out.stride(0), block_n,
             num_warps, u, u.stride(0), act)
-    return out
-
-
-def gemv_experts_sum(x: torch.Tensor, w_data: torch.Tensor, expert_ids: torch.Tensor, slot_weights: torch.Tensor,
-                     type_id: int | str, K: int, out: torch.Tensor | None = None,
-                     out_dtype: torch.dtype = torch.float32, *, block_n: int | None = None,
-                     num_warps: int | None = None) -> torch.Tensor:
-    """out[t] = sum_j slot_weights[t, j] * (W[expert_ids[t, j]] x[t*k + j]): a MoE layer's down projections and
-    their weighted combination in one launch, without the (T*k, N) per-slot intermediate.
-
-    w_data: (E, N, row_bytes) expert stack, as for `gemv_experts`. expert_ids: (k,) for one token or (T, k),
-    int32/int64, contiguous, read on the device. slot_weights: the same shape, float32/bfloat16/float16 (read as
-    fp32). x: (T*k, K), slot s = t*k + j in row s. out, out_dtype: (T, N).
-    Each program adds its token's slots in order j = 0..k-1 into one fp32 accumulator (no atomics): the result is
-    bitwise the same on every run, as a CUDA-graph replay must equal the eager step. The reference
-    (`strata.kernels.ops.experts_blocks`) computes `(y.view(T, k, N) * top_w.float()[..., None]).sum(1).to(dtype)`
-    from the fp32 per-slot results y; this is the same per slot (fp32 row result times the fp32 weight, summed
-    over the slots, cast once), differing only where torch's sum orders the additions otherwise or the compiler
-    fuses a multiply and add (fp32 rounding). block_n, num_warps: as for `gemv` at one token."""
-    t = gemv_type(type_id)
-    w = _weights(t, w_data, K, 3)
-    _check_x(x, K, w)
-    _check_ids(expert_ids, w, (1, 2))
-    if slot_weights.shape != expert_ids.shape or slot_weights.dtype not in OUT_DTYPES:
-        raise ValueError(f"slot_weights: expected float32/bfloat16/float16 {tuple(expert_ids.shape)}, got "
-                         f"{slot_weights.dtype} {tuple(slot_weights.shape)}")
-    if slot_weights.device != w.device or not slot_weights.is_contiguous():
-        raise ValueError(f"slot_weights: expected contiguous on {w.device}, got on {slot_weights.device}")
-    ids2 = expert_ids.view(1, -1) if expert_ids.dim() == 1 else expert_ids
-    n_tok, k_sel = ids2.shape
-    n = w.shape[1]
-    if x.shape[0] != n_tok * k_sel:
-        raise ValueError(f"x: {x.shape[0]} rows for {n_tok} tokens x {k_sel} slots")
-    out = _out(out, (n_tok, n), w.device, out_dtype)
-    if n == 0 or n_tok == 0:
-        return out
-    n_chunks, dec = _decode_args(t, K)
-    bn = _rows(t, 1, block_n)
-    _sum_kernel[(triton.cdiv(n, bn), n_tok)](
-        x, w, expert_ids, slot_weights, _table(t, w), out, n, n_chunks, k_sel,
-        w.stride(-2), w.stride(0), x.stride(0), out.stride(0),
-        BN=bn, num_warps=_warps(t, 1, num_warps), **dec)
     return out

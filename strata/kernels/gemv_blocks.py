@@ -220,26 +220,16 @@ def decode_q2_0(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def _k4_scale_min(sp, s):
-    """The 6-bit scale and min of sub-blocks `s` (2-D tile of 0..7) packed in the 12 bytes at sp ([BN] pointers):
-    ggml's get_scale_min_k4. Two [BN, *s.shape] fp32 tiles."""
-    j = (s & 3)[None, :, :]
-    low = (s < 4)[None, :, :]
-    p = sp[:, None, None] + j
-    b0 = _u8(p)
-    b4 = _u8(p + 4)
-    b8 = _u8(p + 8)
-    sc = tl.where(low, b0 & 63, (b8 & 15) | ((b0 >> 6) << 4))
-    mn = tl.where(low, b4 & 63, (b8 >> 4) | ((b4 >> 6) << 4))
-    return _i2f(sc, 0.0), _i2f(mn, 0.0)
-
-
-@triton.jit
 def _k4_scales(rp, c):
     """d*sc and dmin*m of sub-blocks 2c (low nibbles) and 2c+1 (high) of a Q4_K/Q5_K super-block: four [BN, 4, 1]
     tiles."""
-    sc_lo, mn_lo = _k4_scale_min(rp + 4, (2 * c)[:, None])
-    sc_hi, mn_hi = _k4_scale_min(rp + 4, (2 * c + 1)[:, None])
+    # one super-block: the NB form over a size-1 NB dimension, summed away
+    sc_lo, mn_lo = _k4_scale_min_nb(rp[:, None] + 4, 2 * c)
+    sc_hi, mn_hi = _k4_scale_min_nb(rp[:, None] + 4, 2 * c + 1)
+    sc_lo = tl.sum(sc_lo, axis=1)
+    mn_lo = tl.sum(mn_lo, axis=1)
+    sc_hi = tl.sum(sc_hi, axis=1)
+    mn_hi = tl.sum(mn_hi, axis=1)
     d = _f16(rp)[:, None, None]
     dm = _f16(rp + 2)[:, None, None]
     return d * sc_lo, dm * mn_lo, d * sc_hi, dm * mn_hi
@@ -247,8 +237,8 @@ def _k4_scales(rp, c):
 
 @triton.jit
 def _k4_scale_min_nb(sp, s):
-    """`_k4_scale_min` of NB super-blocks at once: sp [BN, NB] pointers, s a [4] tile of sub-block ids; two
-    [BN, NB, 4, 1] fp32 tiles."""
+    """The 6-bit scales and mins of sub-blocks `s` (a [4] tile of 0..7) packed in the 12 bytes at sp ([BN, NB]
+    pointers, one per super-block): ggml's get_scale_min_k4. Two [BN, NB, 4, 1] fp32 tiles."""
     j = (s & 3)[None, None, :, None]
     low = (s < 4)[None, None, :, None]
     p = sp[:, :, None, None] + j
