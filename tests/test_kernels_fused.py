@@ -104,6 +104,19 @@ def test_block_scores_and_selection_match_reference():
     assert torch.equal(idx[:, n:], ridx[:, n:]) and torch.equal(ok, rok)
 
 
+def test_selection_beyond_the_kernel_limit_is_the_reference(monkeypatch):
+    """Past SELECT_KERNEL_MAX_BLOCKS candidates the top-k is torch.topk with the reference's expansion: equal."""
+    cfg = config()
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, cfg.indexer_n_heads, cfg.indexer_head_dim, generator=g)
+    blocks = torch.randn(16, cfg.indexer_head_dim, generator=g)
+    positions = torch.tensor([30, 63])
+    monkeypatch.setattr(attention, "SELECT_KERNEL_MAX_BLOCKS", 8)
+    for a, b in zip(attention.select_tokens(q, blocks, positions, cfg), select_tokens(q, blocks, positions, cfg),
+                    strict=True):
+        assert torch.equal(a, b)
+
+
 # ------------------------------------------------------------------------------------------------ hyper-connections
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hc_read_matches_reference(dtype):

@@ -15,10 +15,10 @@ after the same roundings.
 Indexer scores (`block_scores`). At 128K context there are 32K pooled block keys (8 MiB in bf16). The
 reference scores every block of the capacity-sized buffer and masks afterwards; the kernel masks the *loads*
 by the query's visible block count (read from device memory), so it reads only the blocks that exist yet and
-costs O(context), not O(capacity). The top-k and the token expansion are one more launch
-(`strata.kernels.select`: a radix select, ties at the k-th score to the lowest block index, blocks listed in
-block order), so the selected set agrees with `select_tokens` whenever the k-th block's margin exceeds fp32
-accumulation-order rounding.
+costs O(context), not O(capacity). The top-k and the token expansion are one more launch for up to
+SELECT_KERNEL_MAX_BLOCKS candidates (`strata.kernels.select`: a radix select, ties at the k-th score to the lowest
+block index, blocks listed in block order), torch.topk and the reference's expansion beyond, so the selected set
+agrees with `select_tokens` whenever the k-th block's margin exceeds fp32 accumulation-order rounding.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import triton.language as tl
 
 from strata.config import ModelConfig
 from strata.kernels.select import select_blocks
+from strata.model import topk
 from strata.runtime.state import QSAState
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -210,16 +211,32 @@ def block_scores(q_idx: torch.Tensor, blocks: torch.Tensor, positions: torch.Ten
     return out
 
 
+SELECT_KERNEL_MAX_BLOCKS = 2048
+"""Candidate blocks up to which the selection kernel picks the top k. It runs one program per query, so its time
+grows with the candidates: on an H200, 36 us at 1,042 blocks but 545 us at 32,768 (128K context), where
+torch.topk plus the expansion below costs ~60 us."""
+
+
 def select_tokens(q_idx: torch.Tensor, blocks: torch.Tensor, positions: torch.Tensor, cfg: ModelConfig,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`strata.model.qsa.select_tokens` in two launches: the block scores above, then the top-k blocks expanded
-    to token indices, with the tail and validity (`strata.kernels.select`; torch.topk alone cost ~58 us at
-    32K blocks). Token indices (L, W) and their validity (L, W), W <= B + c - 1. Same chosen set as the
-    reference whenever the k-th and (k+1)-th block scores differ (ties: lowest block index); the chosen blocks
-    come in ascending block order instead of by score, which `attend` (a softmax over the set) only sees as
-    fp summation order."""
+    """`strata.model.qsa.select_tokens` with the block scores above, then the top-k blocks expanded to token
+    indices, the tail and validity: by `strata.kernels.select` (one launch) up to SELECT_KERNEL_MAX_BLOCKS
+    candidates, else by torch.topk and the reference's expansion. Token indices (L, W) and their validity (L,
+    W), W <= B + c - 1. Same chosen set as the reference whenever the k-th and (k+1)-th block scores differ
+    (the kernel breaks ties by lowest block index and lists the chosen blocks in block order, which `attend`, a
+    softmax over the set, only sees as fp summation order)."""
     c, kb = cfg.indexer_compress_ratio, cfg.block_topk
-    k = min(kb, blocks.shape[0])
+    nb = blocks.shape[0]
+    k = min(kb, nb)
     scores = block_scores(q_idx, blocks, positions, cfg) if k > 0 else q_idx.new_empty(q_idx.shape[0], 0,
                                                                                           dtype=torch.float32)
-    return select_blocks(scores, positions, k, c)
+    if nb <= SELECT_KERNEL_MAX_BLOCKS:
+        return select_blocks(scores, positions, k, c)
+    dev = q_idx.device
+    nb_q = (positions + 1) // c
+    tail = nb_q[:, None] * c + torch.arange(c - 1, device=dev)
+    tail_ok = tail <= positions[:, None]
+    top_v, top_b = topk.select(scores, k)
+    chosen = (top_b[:, :, None] * c + torch.arange(c, device=dev)).flatten(1)
+    chosen_ok = torch.isfinite(top_v).repeat_interleave(c, dim=1)
+    return torch.cat([chosen, tail], 1), torch.cat([chosen_ok, tail_ok], 1)
