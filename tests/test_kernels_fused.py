@@ -239,3 +239,29 @@ def test_tiny_model_decode_matches_reference(tiny_weights):
     ids = torch.randint(2, cfg.vocab_size, (3 + cfg.selection_width + 6,),
                         generator=torch.Generator().manual_seed(3)).tolist()
     reference.assert_decodes_match(ref, fast, ids, prompt=5, capacity=32)
+
+
+def test_decode_step_draws_on_the_device(tiny_weights):
+    """The step's "sampled" ending (run eagerly here, under the interpreter): a seed fixes the draws, different
+    seeds give different ones, and temperature 0 gives the greedy ending's tokens (the argmax of the logits)."""
+    from strata.runtime.graph import DecodeStep
+
+    model = Engine(tiny_weights).model
+    prompt = torch.arange(2, 8)
+
+    def run(temperature: float | None, seed: int = 0) -> list[int]:
+        step = DecodeStep(model, capacity=24, capture=False)
+        step.prefill(prompt)
+        if temperature is not None:
+            step.sampler.configure(temperature, top_k=20, seed=seed)
+        tok, out = 9, []
+        for _ in range(6):
+            tok = int(step.next_token(tok, sampled=temperature is not None))
+            out.append(tok)
+        return out
+
+    drawn = run(0.9, seed=1)
+    assert run(0.9, seed=1) == drawn
+    assert drawn != run(0.9, seed=2) or drawn != run(0.9, seed=3)
+    assert all(0 <= t < model.cfg.vocab_size for t in drawn)
+    assert run(0.0, seed=1) == run(None)
