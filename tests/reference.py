@@ -101,3 +101,18 @@ def assert_decodes_match(ref, fast, ids: list[int], prompt: int, capacity: int |
     assert rel(decode_logits(fast, ids, prompt), decode_logits(ref, ids, prompt)) < tol
     if capacity is not None:
         assert rel(static_logits(fast, ids, prompt, capacity), static_logits(ref, ids, prompt, capacity)) < tol
+
+
+def count_calls(monkeypatch, targets: dict) -> dict:
+    """Count the calls of module functions: targets maps a key to (module, function name); returns the live
+    counts by key (each function is patched to count, then call through)."""
+    calls = dict.fromkeys(targets, 0)
+    for key, (mod, fn) in targets.items():
+        orig = getattr(mod, fn)
+
+        def counted(*a, _o=orig, _k=key, **kw):
+            calls[_k] += 1
+            return _o(*a, **kw)
+
+        monkeypatch.setattr(mod, fn, counted)
+    return calls

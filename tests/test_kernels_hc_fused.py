@@ -106,11 +106,8 @@ def test_model_decode_matches_reference(name, tmp_path, monkeypatch):
     captures (run eagerly). Per decode step the fused kernel serves every read that follows a write: both reads
     of every layer, less layer 0's first and those after a PLE mix (which needs the written state), plus the
     final read; the write kernel serves the writes before a PLE mix."""
-    calls = {"fused": 0, "write": 0}
-    for mod, fn, key in ((hyper, "hc_write_read", "fused"), (hc_write_kernel, "hc_write", "write")):
-        orig = getattr(mod, fn)
-        monkeypatch.setattr(mod, fn, lambda *a, _o=orig, _k=key, **kw: (calls.__setitem__(_k, calls[_k] + 1),
-                                                                       _o(*a, **kw))[1])
+    calls = reference.count_calls(monkeypatch, {"fused": (hyper, "hc_write_read"),
+                                                "write": (hc_write_kernel, "hc_write")})
     weights = load_hf(reference.save(reference.build(name), tmp_path))
     ref = Engine(weights)
     fast = Engine(weights, ops=fused_ops(Ops(), force=True))

@@ -102,11 +102,7 @@ def test_fused_entries_dispatch():
 def test_model_decode_matches_reference(name, tmp_path, monkeypatch):
     """Prefill 4 tokens, then decode 4 with every fused op (PLE is active in both configs), through the engine
     and through the fixed-capacity step the GPU captures (run eagerly)."""
-    calls = {"hc": 0, "ple": 0}
-    for mod, fn, key in ((hc_write_kernel, "hc_write", "hc"), (ple_kernel, "ple_mix", "ple")):
-        orig = getattr(mod, fn)
-        monkeypatch.setattr(mod, fn, lambda *a, _o=orig, _k=key, **kw: (calls.__setitem__(_k, calls[_k] + 1),
-                                                                       _o(*a, **kw))[1])
+    calls = reference.count_calls(monkeypatch, {"hc": (hc_write_kernel, "hc_write"), "ple": (ple_kernel, "ple_mix")})
     weights = load_hf(reference.save(reference.build(name), tmp_path))
     ref = Engine(weights)
     fast = Engine(weights, ops=fused_ops(Ops(), force=True))
