@@ -102,17 +102,6 @@ def tiny_weights(tmp_path_factory):
     return load_hf(reference.save(reference.build("tiny", indexer_n_heads=4), tmp_path_factory.mktemp("tiny")))
 
 
-def test_tiny_model_decode_with_fused_norm_rope(tiny_weights):
-    """Prefill, then decode past the dense range, with every fused op installed (norm_rope included, in the
-    QSA layers and the pooled block keys), against the reference path; eager engine and the static step."""
-    ref = Engine(tiny_weights)
-    fast = Engine(tiny_weights, ops=fused_ops(Ops(), force=True))
-    cfg = ref.cfg
-    ids = torch.randint(2, cfg.vocab_size, (3 + cfg.selection_width + 6,),
-                        generator=torch.Generator().manual_seed(3)).tolist()
-    reference.assert_decodes_match(ref, fast, ids, prompt=5, capacity=32)
-
-
 def test_norm_rope_only_ops_match_reference(tiny_weights):
     """Only norm_rope replaced: the decode equals the reference path to fp32 summation order."""
     ref = Engine(tiny_weights)

@@ -1,15 +1,15 @@
-"""GEMV design experiments on the GPU (run on the device box): launch shapes and pipelining per type and shape.
+"""GEMV design experiments on the GPU (run on the device box): launch shapes per type and shape.
 
 Each variant is checked against "dequantize, then x @ W^T in float64" and timed over a bank of weight copies far
 larger than L2 (so every byte comes from HBM), as GB/s of stored bytes and a fraction of the copy bandwidth:
 
-* `SUITE`: per type and shape, the production defaults (`strata.kernels.gemv`) against software-pipelined K
-  loops (`GemvType.stages`) and fewer rows per program;
+* `SUITE`: per type and shape, the production defaults (`strata.kernels.gemv`) against other rows/warps per
+  program;
 * `EXPERTS`: the routed-expert launches at the real shapes (10 of 256 experts per call): gate/up GLU, down;
 * `GLU_SUITE`: the gate/up GLU of one matrix pair.
 
-Earlier variants (Q8_0 regrouped by 8 blocks, a tensor-core dot per block, a factored Q8_0 decoder) and their
-timings are in bench/results/2026-12-02-h200-gemv-lab*.json.
+Earlier variants (Q8_0 regrouped by 8 blocks, a tensor-core dot per block, a factored Q8_0 decoder, pipelined K
+loops) and their timings are in bench/results/2026-12-02-h200-gemv-lab*.json.
 
     python tools/gemv_lab.py --out lab.json            # ~1-2 minutes on an H200
     python tools/gemv_lab.py --types Q4_K,Q8_0
@@ -18,7 +18,6 @@ timings are in bench/results/2026-12-02-h200-gemv-lab*.json.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
@@ -51,16 +50,11 @@ def random_rows(name: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor
     return data.reshape(n, nb * t.block_bytes)
 
 
-def staged(name: str, stages: int) -> G.GemvType:
-    """The production type of `name` with a software-pipelined K loop of `stages` stages."""
-    return dataclasses.replace(G.gemv_type(name), stages=stages)
-
-
-# (type, [(N, K)], [(label, GemvType or None for the default, block_n, num_warps)]): the current defaults against
-# software-pipelined K loops (Triton's num_stages: later chunks' loads in flight while one is decoded)
+# (type, [(N, K)], [(label, block_n, num_warps)]): the production defaults against other launch shapes. Software-
+# pipelined K loops (Triton num_stages 2-3) were tried and moved no shape by more than ~10%:
+# bench/results/2026-12-02-h200-gemv-lab-stages.json.
 SUITE = [
-    (name, shapes, [("default", None, None, None), ("st2", staged(name, 2), None, None),
-                    ("st3", staged(name, 3), None, None), ("st3 bn2 w4", staged(name, 3), 2, 4)])
+    (name, shapes, [("default", None, None), ("bn2 w4", 2, 4), ("bn4 w4", 4, 4), ("bn16 w8", 16, 8)])
     for name, shapes in (("Q8_0", [(10240, 2560), (2560, 6144), (640, 2560)]),
                          ("Q4_K", [(10240, 2560), (640, 2560)]),
                          ("Q5_1", [(2560, 640)]),
@@ -112,8 +106,8 @@ def main() -> int:
             def ref_fn(w0, o, xd=xd, ref=ref):
                 return float(((o.double() - xd @ ref.T).abs() / (xd.abs() @ ref.abs().T)).max())
 
-            for label, t, bn, nw in variants:
-                t = t or G.gemv_type(name)
+            t = G.gemv_type(name)
+            for label, bn, nw in variants:
 
                 def fn(ww, t=t, bn=bn, nw=nw, x=x, k=k, out=out):
                     skel_gemv(t, x, ww, k, out, bn, nw)
@@ -159,9 +153,8 @@ def main() -> int:
         nbytes = 10 * n * stack_g.shape[-1] * (2 if kind == "glu" else 1)
         id_sets = [torch.randperm(256, generator=gen, device="cuda")[:10].to(torch.int32) for _ in range(48)]
         x = torch.randn(1 if kind == "glu" else 10, k, generator=gen, device="cuda").to(torch.bfloat16)
-        for label, stages, bn in (("default", 1, None), ("st2", 2, None), ("st3", 3, None), ("st3 bn4", 3, 4),
-                                  ("bn4", 1, 4), ("bn16", 1, 16)):
-            t = staged(name, stages)
+        t = G.gemv_type(name)
+        for label, bn in (("default", None), ("bn4", 4), ("bn16", 16)):
 
             def fn(ids, t=t, bn=bn, x=x, k=k, kind=kind, sg=stack_g, su=stack_u):
                 if kind == "glu":

@@ -23,14 +23,11 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import os
 import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402

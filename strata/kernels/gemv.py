@@ -66,8 +66,6 @@ class GemvType:
     table: the lookup table the decode gathers from (`gemv_tables.device_table`), if any.
     block_n, num_warps: launch defaults for one token, rows and warps per program (several tokens: see
         MULTI_TOKEN_ROWS).
-    stages: software-pipelining depth of the K loop (Triton's `num_stages`: loads of later chunks issued while
-        the current one is decoded); 1 = none.
     small: (rows, warps) for one token when a launch covers at most SMALL_LAUNCH_ROWS rows in all: there too few
         programs stream too few bytes each, so fewer rows per program (more programs) win.
     dense_dtype: the element type of dense rows (None for block types).
@@ -85,7 +83,6 @@ class GemvType:
     block_n: int = 16
     num_warps: int = 4
     small: tuple[int, int] | None = None
-    stages: int = 1
     dense_dtype: torch.dtype | None = None
     f16_fields: tuple[int, ...] = ()
 
@@ -183,7 +180,7 @@ def _put(res, a, t: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, RANK: tl
 @triton.jit
 def _tile(xp, xs, rp, tab_ptr, n_chunks,
           DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr,
-          NB: tl.constexpr, ROWS: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, STAGES: tl.constexpr):
+          NB: tl.constexpr, ROWS: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr):
     """[ROWS, T_PAD] fp32: res[r, t] = (the row at pointer rp[r]) . (x token t at xp + t*xs), for t < T <= 8.
 
     Each chunk is decoded once into a weight tile and multiplied by each token's x into that token's accumulator,
@@ -214,7 +211,7 @@ def _tile(xp, xs, rp, tab_ptr, n_chunks,
         a6 = w * _x(xp, xo, xs, 6)
     if T > 7:
         a7 = w * _x(xp, xo, xs, 7)
-    for c in tl.range(1, n_chunks, num_stages=STAGES):
+    for c in range(1, n_chunks):
         xc = xp + c * CHUNK_X
         w, xo = DECODE(rp + c * CHUNK_W, tab_ptr, ROWS, NB)
         a0 += w * _x(xc, xo, xs, 0)
@@ -287,7 +284,6 @@ def _gemv_kernel(
     N, n_chunks,
     w_row_stride, w_slot_stride, x_tok_stride, x_slot_stride, out_tok_stride, out_slot_stride,
     DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr, NB: tl.constexpr,
-    STAGES: tl.constexpr,
     BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr,
 ):
     """out[slot, t, rows] = W[slot's matrix][rows] . x[slot, t] for BN rows, T <= 8 tokens.
@@ -301,7 +297,7 @@ def _gemv_kernel(
     rows_c = tl.minimum(rows, N - 1).to(tl.int64)
     rp = w_ptr + _matrix(ids_ptr, slot, HAS_IDS) * w_slot_stride + rows_c * w_row_stride
     res = _tile(x_ptr + slot * x_slot_stride, x_tok_stride, rp, tab_ptr, n_chunks,
-                DECODE, RANK, CHUNK_W, CHUNK_X, NB, BN, T, T_PAD, STAGES)
+                DECODE, RANK, CHUNK_W, CHUNK_X, NB, BN, T, T_PAD)
     _store(out_ptr + slot * out_slot_stride, res, rows, N, out_tok_stride, T, T_PAD)
 
 
@@ -319,7 +315,6 @@ def _glu_kernel(
     g_row_stride, u_row_stride, g_slot_stride, u_slot_stride, x_tok_stride, x_slot_stride,
     out_tok_stride, out_slot_stride,
     DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr, NB: tl.constexpr,
-    STAGES: tl.constexpr,
     BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr, ACT: tl.constexpr,
 ):
     """out[slot, t, rows] = act(G[rows] . x) * (U[rows] . x), G and U the gate and up matrices of `slot`.
@@ -336,7 +331,7 @@ def _glu_kernel(
     rp = tl.where(r < BN, g_ptr + mat * g_slot_stride + rows_c * g_row_stride,
                   u_ptr + mat * u_slot_stride + rows_c * u_row_stride)
     res = _tile(x_ptr + slot * x_slot_stride, x_tok_stride, rp, tab_ptr, n_chunks,
-                DECODE, RANK, CHUNK_W, CHUNK_X, NB, 2 * BN, T, T_PAD, STAGES)
+                DECODE, RANK, CHUNK_W, CHUNK_X, NB, 2 * BN, T, T_PAD)
     g, u = tl.split(tl.permute(tl.reshape(res, [2, BN, T_PAD]), (1, 2, 0)))
     dt: tl.constexpr = out_ptr.dtype.element_ty
     y = _rounded(_act(_rounded(g, dt), ACT), dt) * _rounded(u, dt)
@@ -435,8 +430,7 @@ def _decode_args(t: GemvType, k: int) -> tuple[int, dict[str, Any]]:
     nb = _chunk_blocks(t, k)
     chunk_w = nb if t.dense_dtype is not None else nb * t.block_bytes  # elements of dense rows, bytes of packed
     return k // (nb * t.block_elems), {
-        "DECODE": t.decode, "RANK": t.rank, "CHUNK_W": chunk_w, "CHUNK_X": nb * t.block_elems, "NB": nb,
-        "STAGES": t.stages}
+        "DECODE": t.decode, "RANK": t.rank, "CHUNK_W": chunk_w, "CHUNK_X": nb * t.block_elems, "NB": nb}
 
 
 def _small(t: GemvType, n_tok: int, total_rows: int) -> bool:

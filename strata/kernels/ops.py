@@ -30,7 +30,7 @@ from strata.kernels.gemv import GEMV_TYPE_NAMES, MAX_TOKENS, OUT_DTYPES, gemv, g
 from strata.kernels.moe import slot_sum
 from strata.model.experts import experts_gather, experts_ref
 from strata.model.ops import Ops, linear_ref, linears_ref, mlp_ref
-from strata.weights.tensor import DenseTensor, StoredTensor
+from strata.weights.tensor import DenseTensor, StoredTensor, raw_rows
 
 GEMV_MAX_ROWS = 32
 """Rows of x up to which `linear_triton` runs the GEMV on quantized weights (8 rows per launch, each reading all
@@ -46,19 +46,10 @@ _FLOAT_X = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def stored_rows(w: StoredTensor) -> tuple[torch.Tensor, str] | None:
-    """(raw rows, type name) of a stored tensor the GEMV can read directly, or None.
-
-    Dense tensors give their typed tensor; quantized ones their uint8 `data` ((*shape[:-1], row_bytes)). Stacks
-    kept as separate parts and row-sharded tables have no single raw tensor."""
-    if w.kind not in GEMV_TYPE_NAMES:
-        return None
-    if isinstance(w, DenseTensor):
-        return w.tensor, w.kind
-    data = getattr(w, "data", None)
-    if isinstance(data, torch.Tensor) and data.dtype == torch.uint8 and data.dim() == len(w.shape):
-        return data, w.kind
-    return None
-
+    """(raw rows, type name) of a stored tensor the GEMV can read directly (`raw_rows` of a type it knows), or
+    None."""
+    raw = raw_rows(w) if w.kind in GEMV_TYPE_NAMES else None
+    return (raw, w.kind) if raw is not None else None
 
 def _as_x(x: torch.Tensor, k: int) -> torch.Tensor:
     """x as (rows, k) with contiguous rows in a dtype the kernel loads."""

@@ -18,7 +18,7 @@ from strata.model.ops import Ops
 from strata.weights.schema import Weights
 
 if TYPE_CHECKING:
-    from strata.runtime.graph import DeviceDraw
+    from strata.runtime.graph import DecodeStep, DeviceDraw
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "default"
@@ -123,12 +123,16 @@ class Engine:
         `new_state`) goes through its captured step, built on its first decode."""
         t = self.check_ids([token])
         if self.graphs and state.fixed_capacity(self.context):
-            if state.decode_step is None:
-                from strata.runtime.graph import DecodeStep
-
-                state.decode_step = DecodeStep(self.model, self.context, state=state)
-            return state.decode_step.step(int(t[0])).float().clone()
+            return self._decode_step(state).step(int(t[0])).float().clone()
         return self.model.forward(t, state)[-1].float()
+
+    def _decode_step(self, state: SequenceState) -> DecodeStep:
+        """The captured step of a fixed-capacity state, built on its first decode."""
+        if state.decode_step is None:
+            from strata.runtime.graph import DecodeStep
+
+            state.decode_step = DecodeStep(self.model, self.context, state=state)
+        return state.decode_step
 
     @torch.inference_mode()
     def decode_token(self, token: int, state: SequenceState, draw: DeviceDraw | None = None,
@@ -141,11 +145,7 @@ class Engine:
         if not (self.graphs and state.fixed_capacity(self.context)) or (draw is not None and
                                                                          self.device.type != "cuda"):
             return None  # the draw kernel runs compiled on CUDA only
-        if state.decode_step is None:
-            from strata.runtime.graph import DecodeStep
-
-            state.decode_step = DecodeStep(self.model, self.context, state=state)
-        step = state.decode_step
+        step = self._decode_step(state)
         if draw is not None and restart:
             step.sampler.configure(draw.temperature, draw.top_k, draw.top_p, draw.min_p, draw.seed)
         return int(step.next_token(int(t[0]), sampled=draw is not None))

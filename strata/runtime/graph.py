@@ -116,7 +116,7 @@ class DecodeStep:
             host[i].copy_(e)
             self.inputs.ple[i].copy_(host[i], non_blocking=True)
         if self.model.device.type == "cuda":
-            self._copied = torch.cuda.Event()
+            self._copied = self._copied or torch.cuda.Event()
             self._copied.record()
 
     def _run(self, token: int, kind: str) -> tuple[torch.Tensor, ...]:

@@ -14,7 +14,7 @@ from strata.errors import StrataError
 from strata.model.ops import Ops
 from strata.weights.quant_tensor import QuantTensor
 from strata.weights.schema import Weights
-from strata.weights.tensor import DenseTensor, StackedTensor, StoredTensor
+from strata.weights.tensor import DenseTensor, StackedTensor, StoredTensor, raw_rows
 
 HOST_RESIDENT = ("ple.table",)
 
@@ -25,20 +25,10 @@ FUSED_GROUPS = (("gdn.qkv", "gdn.z", "gdn.b", "gdn.a"),
 runs the group as one GEMV (one launch instead of up to five)."""
 
 
-def _raw(t: StoredTensor) -> torch.Tensor | None:
-    """The 2-D raw rows of a dense or quantized 2-D tensor (what `fuse_rows` can concatenate), else None."""
-    if len(t.shape) != 2:
-        return None
-    if isinstance(t, DenseTensor):
-        return t.tensor
-    data = getattr(t, "data", None)
-    return data if isinstance(t, QuantTensor) and isinstance(data, torch.Tensor) else None
-
-
 def fuse_rows(parts: list[StoredTensor]) -> list[StoredTensor]:
     """The parts re-made as row views of one new buffer, in order, when they share storage type, row width and
     device (else unchanged). Same bytes, same values: only their placement in memory changes."""
-    raws = [_raw(t) for t in parts]
+    raws = [raw_rows(t) if len(t.shape) == 2 else None for t in parts]
     if any(r is None for r in raws) or len({(t.kind, r.shape[1], r.dtype, r.device)
                                             for t, r in zip(parts, raws, strict=True)}) != 1:
         return parts

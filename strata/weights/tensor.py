@@ -181,6 +181,17 @@ class RowConcatTensor(StoredTensor):
         return RowConcatTensor(self.name, [p.to(device) for p in self.parts])
 
 
+def raw_rows(t: StoredTensor) -> torch.Tensor | None:
+    """The stored rows of a tensor as one torch tensor, if it has one: a dense tensor's values, a quantized
+    tensor's uint8 blocks (*shape[:-1], row_bytes). Stacks kept as parts and row-sharded tables have none."""
+    if isinstance(t, DenseTensor):
+        return t.tensor
+    data = getattr(t, "data", None)
+    if isinstance(data, torch.Tensor) and data.dtype == torch.uint8 and data.dim() == len(t.shape):
+        return data
+    return None
+
+
 def iter_leaves(t: StoredTensor) -> Iterator[StoredTensor]:
     """The stored pieces behind a tensor (itself, or the parts of a stack/shard set)."""
     if isinstance(t, StackedTensor | RowConcatTensor):
