@@ -53,7 +53,7 @@ def zlib_seed(name: str) -> int:
     """A per-type seed that does not depend on Python's hash randomisation."""
     return zlib.crc32(name.encode())
 
-QUANT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+QUANT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_0_R8", "IQ4_NL", "Q2_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
                "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS"]
 DENSE_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 

@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from strata.kernels import gemv as G  # noqa: E402
+from strata.kernels import gemv_blocks as gb  # noqa: E402
 from strata.runtime.bench import copy_bandwidth  # noqa: E402
 from strata.weights import quants  # noqa: E402
 from tools.gpu_check_gemv import time_graph  # noqa: E402
@@ -40,8 +41,17 @@ def skel_gemv(t: G.GemvType, x, w, k, out, bn, nw) -> None:
     G._launch(t, x, w, None, out, w.shape[0], k, 1, x.shape[0], 0, 0, 0, bn, nw)
 
 
+LAB_TYPES = {"Q4_K_W": G.GemvType("Q4_K_W", 12, 256, 144, gb.decode_q4_k_words, 6, 1, block_n=16,
+                                   f16_fields=(0, 2))}
+"""Candidate decoders not (yet) in the production table, by name."""
+
+
+def lab_type(name: str) -> G.GemvType:
+    return LAB_TYPES.get(name) or G.gemv_type(name)
+
+
 def random_rows(name: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
-    t = G.gemv_type(name)
+    t = lab_type(name)
     nb = k // t.block_elems
     data = torch.randint(0, 256, (n, nb, t.block_bytes), dtype=torch.uint8, device="cuda", generator=gen)
     for off in t.f16_fields:
@@ -53,14 +63,15 @@ def random_rows(name: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor
 # (type, [(N, K)], [(label, block_n, num_warps)]): the production defaults against other launch shapes. Software-
 # pipelined K loops (Triton num_stages 2-3) were tried and moved no shape by more than ~10%:
 # bench/results/2026-12-02-h200-gemv-lab-stages.json.
+_SHAPES = [("default", None, None), ("bn4 w4", 4, 4), ("bn8 w4", 8, 4), ("bn16 w4", 16, 4), ("bn16 w8", 16, 8),
+           ("bn32 w4", 32, 4), ("bn32 w8", 32, 8), ("bn8 w2", 8, 2), ("bn16 w2", 16, 2)]
 SUITE = [
-    (name, shapes, [("default", None, None), ("bn2 w4", 2, 4), ("bn4 w4", 4, 4), ("bn16 w8", 16, 8)])
-    for name, shapes in (("Q8_0", [(10240, 2560), (2560, 6144), (640, 2560)]),
-                         ("Q4_K", [(10240, 2560), (640, 2560)]),
-                         ("Q5_1", [(2560, 640)]),
-                         ("Q6_K", [(10240, 2560)]))
+    ("Q8_0", [(16432, 2560), (2560, 6144), (640, 2560)], [("default", None, None)]),
+    ("Q8_0_R8", [(16432, 2560), (2560, 6144), (640, 2560)], _SHAPES),
+    ("Q4_K", [(10240, 2560), (640, 2560)], [("default", None, None)]),
+    ("Q4_K_W", [(10240, 2560), (640, 2560)], _SHAPES),
 ]
-EXPERTS = [("Q4_K", 640, 2560, "glu"), ("Q5_1", 2560, 640, "down")]
+EXPERTS = [("Q4_K", 640, 2560, "glu"), ("Q4_K_W", 640, 2560, "glu"), ("Q5_1", 2560, 640, "down")]
 """Routed-expert launches at the real shapes (10 of 256 experts): gate/up GLU and the per-slot down projection."""
 GLU_SUITE = [("Q4_K", [(1536, 2560)])]
 """GLU (gate/up, I x K each), the default launch."""
@@ -85,6 +96,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--types", default=None, help="comma-separated subset of the suite's types")
+    ap.add_argument("--no-experts", action="store_true")
+    ap.add_argument("--no-glu", action="store_true")
     args = ap.parse_args()
     only = set(args.types.split(",")) if args.types else None
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -95,7 +108,7 @@ def main() -> int:
             continue
         for n, k in shapes:
             w = random_rows(name, n, k, gen)
-            ref = quants.dequantize(w, G.gemv_type(name).type_id, k).double()
+            ref = quants.dequantize(w, lab_type(name).type_id, k).double()
             nbytes = w.numel()
             copies = max(4, min(96, math.ceil(BANK_BYTES / nbytes)))
             bank = [random_rows(name, n, k, gen) for _ in range(copies)]
@@ -106,7 +119,7 @@ def main() -> int:
             def ref_fn(w0, o, xd=xd, ref=ref):
                 return float(((o.double() - xd @ ref.T).abs() / (xd.abs() @ ref.abs().T)).max())
 
-            t = G.gemv_type(name)
+            t = lab_type(name)
             for label, bn, nw in variants:
 
                 def fn(ww, t=t, bn=bn, nw=nw, x=x, k=k, out=out):
@@ -118,7 +131,7 @@ def main() -> int:
             del bank
             torch.cuda.empty_cache()
     for name, shapes in GLU_SUITE:
-        if only and name not in only:
+        if (only and name not in only) or args.no_glu:
             continue
         t = G.gemv_type(name)
         for n, k in shapes:
@@ -146,15 +159,15 @@ def main() -> int:
             del bank
             torch.cuda.empty_cache()
     for name, n, k, kind in EXPERTS:
-        if only and name not in only:
+        if (only and name not in only) or args.no_experts:
             continue
         stack_g = random_rows(name, 256 * n, k, gen).view(256, n, -1)
         stack_u = random_rows(name, 256 * n, k, gen).view(256, n, -1) if kind == "glu" else None
         nbytes = 10 * n * stack_g.shape[-1] * (2 if kind == "glu" else 1)
         id_sets = [torch.randperm(256, generator=gen, device="cuda")[:10].to(torch.int32) for _ in range(48)]
         x = torch.randn(1 if kind == "glu" else 10, k, generator=gen, device="cuda").to(torch.bfloat16)
-        t = G.gemv_type(name)
-        for label, bn in (("default", None), ("bn4", 4), ("bn16", 16)):
+        t = lab_type(name)
+        for label, bn in (("default", None), ("bn4", 4), ("bn8", 8), ("bn16", 16), ("bn32", 32)):
 
             def fn(ids, t=t, bn=bn, x=x, k=k, kind=kind, sg=stack_g, su=stack_u):
                 if kind == "glu":

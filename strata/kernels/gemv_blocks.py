@@ -479,3 +479,47 @@ def decode_iq3_s(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
     sb = _u8(rp[:, None] + 106 + (ib // 2)[None, :])
     db = (_f16(rp)[:, None] * _i2f(2 * ((sb >> (4 * (ib % 2))[None, :]) & 15) + 1, 0.0))[:, :, None]
     return _grid4(word, sg >> ((p % 2) * 4)[None, None, :], db)
+
+# ---------------------------------------------------------------------------------------------------------------
+# strata's repacked layouts (made at placement from the ggml ones; same bytes, 16-byte aligned quants)
+
+
+@triton.jit
+def decode_q8_0_r8(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """Q8_0_R8: eight Q8_0 blocks regrouped as {fp16 d[8]; int8 q[8][32]} (272 bytes, so the quants of every group
+    are 16-byte aligned and load as int32 words). NB groups per chunk. Scaled form: the codes q as a
+    [BN, NB, 8 = block, 8 = word, 2, 2 = byte] tile and d per word, [BN, NB, 8, 8]."""
+    g = tl.arange(0, NB)
+    b = tl.arange(0, 8)
+    k = tl.arange(0, 8)
+    gp = rp[:, None] + g[None, :] * 272
+    d = _f16(gp[:, :, None] + 2 * b[None, None, :])[:, :, :, None]
+    v = tl.load((gp + 16).to(tl.pointer_type(tl.int32))[:, :, None, None]
+                + (b[:, None] * 8 + k[None, :])[None, None, :, :]) ^ -2139062144  # 0x80808080: bytes + 128
+    q = _j4(_i2f(v & 255, 128.0), _i2f((v >> 8) & 255, 128.0),
+            _i2f((v >> 16) & 255, 128.0), _i2f((v >> 24) & 255, 128.0))
+    base = g[:, None, None] * 256 + b[None, :, None] * 32 + k[None, None, :] * 4
+    return q, _j4(base, base + 1, base + 2, base + 3), d
+
+
+@triton.jit
+def decode_q4_k_words(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """Q4_K read as int32 words: the 128 nibble bytes sit 16-byte aligned at offset 16 of the 144-byte block, so
+    each thread loads whole 16-byte vectors (the byte-wise decoder issues one load per byte). One super-block per
+    chunk. [BN, 4 = c, 8 = word, 2, 2 = byte, 2 = nibble]: byte 4k + j of group c holds elements 64c + 4k + j (low
+    nibble, sub-block 2c) and 64c + 32 + 4k + j (high, 2c + 1)."""
+    tl.static_assert(NB == 1, "decode_q4_k_words: one super-block per chunk")
+    c = tl.arange(0, 4)
+    k = tl.arange(0, 8)
+    v = tl.load((rp + 16).to(tl.pointer_type(tl.int32))[:, None, None] + (c[:, None] * 8 + k[None, :])[None, :, :])
+    sl, ml, sh, mh = _k4_scales(rp, c)
+    sl = sl[:, :, :, None, None]
+    ml = ml[:, :, :, None, None]
+    sh = sh[:, :, :, None, None]
+    mh = mh[:, :, :, None, None]
+    lo = _j4(_i2f(v & 15, 0.0), _i2f((v >> 8) & 15, 0.0), _i2f((v >> 16) & 15, 0.0), _i2f((v >> 24) & 15, 0.0))
+    hi = _j4(_i2f((v >> 4) & 15, 0.0), _i2f((v >> 12) & 15, 0.0), _i2f((v >> 20) & 15, 0.0),
+             _i2f((v >> 28) & 15, 0.0))
+    base = c[:, None] * 64 + k[None, :] * 4
+    xl = _j4(base, base + 1, base + 2, base + 3)
+    return tl.join(lo * sl - ml, hi * sh - mh), tl.join(xl, xl + 32)

@@ -23,6 +23,7 @@ from torch import Tensor
 from strata.errors import StrataError
 from strata.weights import quants_iq as iq
 from strata.weights import quants_k as k
+from strata.weights import repack
 
 
 class UnsupportedTypeError(StrataError, ValueError):
@@ -82,6 +83,7 @@ _SUPPORTED: tuple[tuple[GGMLType, Decoder], ...] = (
     (GGMLType(39, "MXFP4", 32, 17), k.mxfp4),
     (GGMLType(40, "NVFP4", 64, 36), k.nvfp4),
     (GGMLType(42, "Q2_0", 64, 18), k.q2_0),
+    (GGMLType(repack.Q8_0_R8_ID, "Q8_0_R8", 256, 272), repack.q8_0_r8),  # in memory only: strata.weights.repack
 )
 
 GGML_TYPES: dict[int, GGMLType] = {t.id: t for t, _ in _SUPPORTED}
