@@ -255,6 +255,25 @@ def test_fuse_rows_stores_groups_back_to_back() -> None:
     assert placement.fuse_rows(mixed) is mixed  # different storage types stay apart
 
 
+def test_fuse_rows_repacks_tall_q8_0_groups(monkeypatch) -> None:
+    """With `repack` (the GPU placement), a Q8_0 group of at least REPACK_MIN_ROWS_PER_K rows per column is stored
+    as Q8_0_R8: same values (dequantized and through the GEMV as one launch), other groups as they were."""
+    rng = np.random.default_rng(12)
+    parts = [QuantTensor(n, random_blocks("Q8_0", r, 256, rng), 8, (r, 256)) for n, r in (("q", 700), ("z", 324))]
+    assert sum(p.shape[0] for p in parts) == placement.REPACK_MIN_ROWS_PER_K * 256
+    fused = placement.fuse_rows(parts, repack=True)
+    assert [t.kind for t in fused] == ["Q8_0_R8", "Q8_0_R8"]
+    assert all(torch.equal(a.dense(), b.dense()) for a, b in zip(parts, fused, strict=True))
+    assert [t.kind for t in placement.fuse_rows(parts)] == ["Q8_0", "Q8_0"]  # not asked
+    short = [QuantTensor("s", random_blocks("Q8_0", 16, 256, rng), 8, (16, 256))] * 2
+    assert [t.kind for t in placement.fuse_rows(short, repack=True)] == ["Q8_0", "Q8_0"]  # too short
+    monkeypatch.setattr(K_OPS, "_on_gpu", lambda x: True)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(12))
+    outs = K_OPS.linears_triton(x, fused, [None, None], K_OPS.linear_triton)
+    for got, want in zip(outs, linears_ref(x, parts, [None, None], linear_ref), strict=True):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+
+
 def test_linears_triton_runs_a_fused_group_as_one_gemv(monkeypatch) -> None:
     rng = np.random.default_rng(10)
     parts = [QuantTensor(n, random_blocks("Q4_K", r, 512, rng), 12, (r, 512)) for n, r in (("q", 10), ("k", 4),

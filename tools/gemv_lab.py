@@ -42,7 +42,8 @@ def skel_gemv(t: G.GemvType, x, w, k, out, bn, nw) -> None:
 
 
 LAB_TYPES = {"Q4_K_W": G.GemvType("Q4_K_W", 12, 256, 144, gb.decode_q4_k_words, 6, 1, block_n=16,
-                                   f16_fields=(0, 2))}
+                                   f16_fields=(0, 2)),
+             "Q4_K_BYTES": G._Q4_K_BYTES}
 """Candidate decoders not (yet) in the production table, by name."""
 
 
@@ -63,15 +64,15 @@ def random_rows(name: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor
 # (type, [(N, K)], [(label, block_n, num_warps)]): the production defaults against other launch shapes. Software-
 # pipelined K loops (Triton num_stages 2-3) were tried and moved no shape by more than ~10%:
 # bench/results/2026-12-02-h200-gemv-lab-stages.json.
-_SHAPES = [("default", None, None), ("bn4 w4", 4, 4), ("bn8 w4", 8, 4), ("bn16 w4", 16, 4), ("bn16 w8", 16, 8),
-           ("bn32 w4", 32, 4), ("bn32 w8", 32, 8), ("bn8 w2", 8, 2), ("bn16 w2", 16, 2)]
 SUITE = [
-    ("Q8_0", [(16432, 2560), (2560, 6144), (640, 2560)], [("default", None, None)]),
-    ("Q8_0_R8", [(16432, 2560), (2560, 6144), (640, 2560)], _SHAPES),
-    ("Q4_K", [(10240, 2560), (640, 2560)], [("default", None, None)]),
-    ("Q4_K_W", [(10240, 2560), (640, 2560)], _SHAPES),
+    ("Q8_0", [(16432, 2560), (13952, 2560)], [("default", None, None)]),
+    ("Q8_0_R8", [(16432, 2560), (13952, 2560)], [("default", None, None), ("bn4 w4", 4, 4), ("bn16 w4", 16, 4)]),
+    ("Q4_K", [(10240, 2560), (640, 2560)], [("default", None, None), ("bn8 w4", 8, 4), ("bn32 w4", 32, 4)]),
+    ("Q4_K_BYTES", [(10240, 2560), (640, 2560)], [("default", None, None)]),
+    ("Q4_K_W", [(10240, 2560)], [("default", None, None)]),
 ]
-EXPERTS = [("Q4_K", 640, 2560, "glu"), ("Q4_K_W", 640, 2560, "glu"), ("Q5_1", 2560, 640, "down")]
+EXPERTS = [("Q4_K", 640, 2560, "glu"), ("Q4_K_BYTES", 640, 2560, "glu"), ("Q4_K_W", 640, 2560, "glu"),
+           ("Q5_1", 2560, 640, "down")]
 """Routed-expert launches at the real shapes (10 of 256 experts): gate/up GLU and the per-slot down projection."""
 GLU_SUITE = [("Q4_K", [(1536, 2560)])]
 """GLU (gate/up, I x K each), the default launch."""

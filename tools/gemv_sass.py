@@ -70,7 +70,7 @@ def compile_kernel(t: G.GemvType, n: int, k: int, bn: int | None = None, nw: int
                     u_slot_stride=0, x_tok_stride=k, x_slot_stride=0, out_tok_stride=n, out_slot_stride=0)
         ptrs = dict(x_ptr=f"*{x_dtype}", g_ptr=w_ty, u_ptr=w_ty, ids_ptr=w_ty, tab_ptr="*fp32" if t.table else w_ty,
                     out_ptr="*fp32")
-        consts = dict(dec, BN=rows, T=1, T_PAD=1, HAS_IDS=False, ACT="silu")
+        consts = dict(dec, BN=rows, T=1, T_PAD=1, HAS_IDS=False, ACT="silu", ALIGN=16 if rb % 16 == 0 else 1)
         tile_rows = 2 * rows
     else:
         raise ValueError(kernel)
@@ -195,7 +195,7 @@ def _resolve(name: str) -> G.GemvType:
     if name.startswith("lab:"):
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import gemv_lab  # noqa: PLC0415
-        return getattr(gemv_lab, name[4:])
+        return gemv_lab.LAB_TYPES.get(name[4:]) or getattr(gemv_lab, name[4:])
     return G.gemv_type(name)
 
 

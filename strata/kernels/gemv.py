@@ -68,6 +68,8 @@ class GemvType:
         MULTI_TOKEN_ROWS).
     small: (rows, warps) for one token when a launch covers at most SMALL_LAUNCH_ROWS rows in all: there too few
         programs stream too few bytes each, so fewer rows per program (more programs) win.
+    small_form: another decoder of the same bytes used for those small launches, where it measured faster.
+    scaled: the decoder returns codes and one scale per group of its two last (in-thread) dims (`_term`).
     dense_dtype: the element type of dense rows (None for block types).
     f16_fields: byte offsets of the fp16 scale fields in a block (for making random blocks with sane scales).
     """
@@ -86,7 +88,13 @@ class GemvType:
     dense_dtype: torch.dtype | None = None
     f16_fields: tuple[int, ...] = ()
     scaled: bool = False
+    small_form: GemvType | None = None
 
+
+_Q4_K_BYTES = GemvType("Q4_K", 12, 256, 144, gb.decode_q4_k, 5, 2, block_n=8, num_warps=8, small=(2, 4),
+                       f16_fields=(0, 2))
+"""Q4_K read byte by byte, two super-blocks per step: the faster form for small one-token launches (640 x 2560:
+5.8 us against 10.5 for the word-wise decoder, tools/gemv_lab.py on an H200)."""
 
 _TYPE_LIST: tuple[GemvType, ...] = (
     # name, ggml id, block elems, block bytes, decoder, tile rank, max blocks per chunk, then rows/warps per program
@@ -104,8 +112,8 @@ _TYPE_LIST: tuple[GemvType, ...] = (
     GemvType("Q2_0", 42, 64, 18, gb.decode_q2_0, 6, 4, f16_fields=(0,)),
     GemvType("Q2_K", 10, 256, 84, gb.decode_q2_k, 5, 1, f16_fields=(80, 82)),
     GemvType("Q3_K", 11, 256, 110, gb.decode_q3_k, 5, 1, num_warps=8, f16_fields=(108,)),
-    GemvType("Q4_K", 12, 256, 144, gb.decode_q4_k, 5, 2, block_n=8, num_warps=8, small=(2, 4),
-             f16_fields=(0, 2)),
+    GemvType("Q4_K", 12, 256, 144, gb.decode_q4_k_hw, 6, 1, small=(2, 4), f16_fields=(0, 2),
+             small_form=_Q4_K_BYTES),
     GemvType("Q5_K", 13, 256, 176, gb.decode_q5_k, 6, 1, block_n=8, f16_fields=(0, 2)),
     GemvType("Q6_K", 14, 256, 210, gb.decode_q6_k, 5, 1, block_n=8, f16_fields=(208,)),
     GemvType("IQ2_XXS", 16, 256, 66, gb.decode_iq2_xxs, 5, 1, table="IQ2_XXS", block_n=8, f16_fields=(0,)),
@@ -114,7 +122,7 @@ _TYPE_LIST: tuple[GemvType, ...] = (
     GemvType("IQ3_S", 21, 256, 110, gb.decode_iq3_s, 5, 1, table="IQ3_S", block_n=8, f16_fields=(0,)),
     GemvType("IQ2_S", 22, 256, 82, gb.decode_iq2_s, 5, 1, table="IQ2_S", block_n=8, f16_fields=(0,)),
     GemvType("IQ4_XS", 23, 256, 136, gb.decode_iq4_xs, 4, 1, table="IQ4", f16_fields=(0,)),
-    GemvType("Q8_0_R8", 1008, 256, 272, gb.decode_q8_0_r8, 6, 4, block_n=4, f16_fields=tuple(range(0, 16, 2)),
+    GemvType("Q8_0_R8", 1008, 256, 272, gb.decode_q8_0_r8, 6, 4, block_n=8, f16_fields=tuple(range(0, 16, 2)),
              scaled=True),
 )
 
@@ -342,7 +350,8 @@ def _glu_kernel(
     g_row_stride, u_row_stride, g_slot_stride, u_slot_stride, x_tok_stride, x_slot_stride,
     out_tok_stride, out_slot_stride,
     DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr, NB: tl.constexpr,
-    SCALED: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr, ACT: tl.constexpr,
+    SCALED: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr,
+    ACT: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """out[slot, t, rows] = act(G[rows] . x) * (U[rows] . x), G and U the gate and up matrices of `slot`.
 
@@ -357,6 +366,8 @@ def _glu_kernel(
     mat = _matrix(ids_ptr, slot, HAS_IDS)
     rp = tl.where(r < BN, g_ptr + mat * g_slot_stride + rows_c * g_row_stride,
                   u_ptr + mat * u_slot_stride + rows_c * u_row_stride)
+    if ALIGN > 1:  # both matrices' rows start ALIGN-aligned (the launcher checked): keep vector loads
+        rp = tl.multiple_of(rp, ALIGN)
     res = _tile(x_ptr + slot * x_slot_stride, x_tok_stride, rp, tab_ptr, n_chunks,
                 DECODE, RANK, CHUNK_W, CHUNK_X, NB, 2 * BN, T, T_PAD, SCALED)
     g, u = tl.split(tl.permute(tl.reshape(res, [2, BN, T_PAD]), (1, 2, 0)))
@@ -487,6 +498,15 @@ def _table(t: GemvType, w: torch.Tensor) -> torch.Tensor:
     return device_table(t.table, w.device) if t.table is not None else w
 
 
+def _row_align(g: torch.Tensor, u: torch.Tensor, *strides: int) -> int:
+    """16 when every gate and up row of packed (uint8) weights starts 16-byte aligned, else 1. The GLU kernel picks
+    each row from one of two matrices, which hides the alignment the compiler sees in either; told, it loads the
+    decoders' int32 words as 16-byte vectors."""
+    if g.dtype != torch.uint8 or u.dtype != torch.uint8:
+        return 1
+    return 16 if all(v % 16 == 0 for v in (g.data_ptr(), u.data_ptr(), *strides)) else 1
+
+
 def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None, out: torch.Tensor,
             n: int, k: int, slots: int, n_tok: int, w_slot_stride: int, x_slot_stride: int,
             out_slot_stride: int, block_n: int | None, num_warps: int | None,
@@ -494,6 +514,8 @@ def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | N
     """One launch of the plain kernel, or of the GLU kernel when `up` is given (w is then the gate)."""
     if n == 0 or slots == 0 or n_tok == 0:
         return
+    if t.small_form is not None and _small(t, n_tok, n * slots):
+        t = t.small_form
     n_chunks, dec = _decode_args(t, k)
     bn = _rows(t, n_tok, block_n, n * slots)
     consts = dict(dec, T=n_tok, T_PAD=triton.next_power_of_2(n_tok), HAS_IDS=ids is not None,
@@ -509,7 +531,8 @@ def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | N
         _glu_kernel[(triton.cdiv(n, bn), slots)](
             x, w, up, ids, _table(t, w), out, n, n_chunks,
             w.stride(-2), up.stride(-2), w_slot_stride, up_slot_stride, x.stride(0), x_slot_stride,
-            out.stride(0), out_slot_stride, BN=bn, ACT=act, **consts)
+            out.stride(0), out_slot_stride, BN=bn, ACT=act,
+            ALIGN=_row_align(w, up, w.stride(-2), up.stride(-2), w_slot_stride, up_slot_stride), **consts)
 
 
 def gemv(x: torch.Tensor, w_data: torch.Tensor, type_id: int | str, K: int, out: torch.Tensor | None = None,

@@ -13,6 +13,7 @@ import torch
 from strata.errors import StrataError
 from strata.model.ops import Ops
 from strata.weights.quant_tensor import QuantTensor
+from strata.weights.repack import repack_rows
 from strata.weights.schema import Weights
 from strata.weights.tensor import DenseTensor, StackedTensor, StoredTensor, raw_rows
 
@@ -25,21 +26,33 @@ FUSED_GROUPS = (("gdn.qkv", "gdn.z", "gdn.b", "gdn.a"),
 runs the group as one GEMV (one launch instead of up to five)."""
 
 
-def fuse_rows(parts: list[StoredTensor]) -> list[StoredTensor]:
+REPACK_MIN_ROWS_PER_K = 4
+"""A fused group on a GPU is stored in its repacked layout (`strata.weights.repack`: Q8_0 -> Q8_0_R8) when it has
+at least this many rows per input column. The GEMV of the repacked rows measured faster for tall matrices
+(16432 x 2560: 20.8 us against 24.7) and slower for short wide ones (2560 x 6144: 17.2 against 10.5;
+tools/gemv_lab.py, H200)."""
+
+
+def fuse_rows(parts: list[StoredTensor], repack: bool = False) -> list[StoredTensor]:
     """The parts re-made as row views of one new buffer, in order, when they share storage type, row width and
-    device (else unchanged). Same bytes, same values: only their placement in memory changes."""
+    device (else unchanged). Same values: only their placement in memory changes, and with `repack` (the GPU
+    placement) a tall group of a type with a repacked layout (`REPACK_MIN_ROWS_PER_K`) is stored in it."""
     raws = [raw_rows(t) if len(t.shape) == 2 else None for t in parts]
     if any(r is None for r in raws) or len({(t.kind, r.shape[1], r.dtype, r.device)
                                             for t, r in zip(parts, raws, strict=True)}) != 1:
         return parts
     buf = torch.cat(raws)
+    type_id = getattr(parts[0], "type_id", None)
+    k = parts[0].shape[1]
+    if repack and type_id is not None and buf.shape[0] >= REPACK_MIN_ROWS_PER_K * k:
+        buf, type_id = repack_rows(buf, type_id, k)
     out: list[StoredTensor] = []
     row = 0
     for t, r in zip(parts, raws, strict=True):
         view = buf[row:row + r.shape[0]]
         row += r.shape[0]
         out.append(DenseTensor(t.name, view) if isinstance(t, DenseTensor)
-                   else QuantTensor(t.name, view, t.type_id, t.shape))
+                   else QuantTensor(t.name, view, type_id, t.shape))
     return out
 
 
@@ -58,17 +71,18 @@ def place(w: Weights, device: torch.device | str) -> Weights:
             moved[name] = DenseTensor(name, torch.stack([p.tensor.to(device) for p in t.parts]))
         else:
             moved[name] = t.to(device)
-    return fuse_groups(Weights(w.cfg, moved, w.gdn_value_order, w.source, w.unknown))
+    return fuse_groups(Weights(w.cfg, moved, w.gdn_value_order, w.source, w.unknown), repack=True)
 
 
-def fuse_groups(w: Weights) -> Weights:
-    """The weight set with every FUSED_GROUPS group of every layer stored back to back (`fuse_rows`)."""
+def fuse_groups(w: Weights, repack: bool = False) -> Weights:
+    """The weight set with every FUSED_GROUPS group of every layer stored back to back (`fuse_rows`, `repack`
+    passed on)."""
     tensors = dict(w.tensors)
     for i in range(w.cfg.num_hidden_layers):
         for group in FUSED_GROUPS:
             names = [f"L{i}.{n}" for n in group]
             if all(n in tensors for n in names):
-                tensors.update(zip(names, fuse_rows([tensors[n] for n in names]), strict=True))
+                tensors.update(zip(names, fuse_rows([tensors[n] for n in names], repack), strict=True))
     return Weights(w.cfg, tensors, w.gdn_value_order, w.source, w.unknown)
 
 
