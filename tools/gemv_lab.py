@@ -43,7 +43,9 @@ def skel_gemv(t: G.GemvType, x, w, k, out, bn, nw) -> None:
 
 LAB_TYPES = {"Q4_K_W": G.GemvType("Q4_K_W", 12, 256, 144, gb.decode_q4_k_words, 6, 1, block_n=16,
                                    f16_fields=(0, 2)),
-             "Q4_K_BYTES": G._Q4_K_BYTES}
+             "Q4_K_BYTES": G._Q4_K_BYTES,
+             "Q8_0_R8V": G.GemvType("Q8_0_R8V", 1008, 256, 272, gb.decode_q8_0_r8_v, 4, 4, block_n=8,
+                                    f16_fields=tuple(range(0, 16, 2)))}
 """Candidate decoders not (yet) in the production table, by name."""
 
 
@@ -53,6 +55,8 @@ def lab_type(name: str) -> G.GemvType:
 
 def random_rows(name: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     t = lab_type(name)
+    if t.dense_dtype is not None:
+        return torch.randn(n, k, generator=gen, device="cuda").to(t.dense_dtype)
     nb = k // t.block_elems
     data = torch.randint(0, 256, (n, nb, t.block_bytes), dtype=torch.uint8, device="cuda", generator=gen)
     for off in t.f16_fields:
@@ -64,17 +68,19 @@ def random_rows(name: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor
 # (type, [(N, K)], [(label, block_n, num_warps)]): the production defaults against other launch shapes. Software-
 # pipelined K loops (Triton num_stages 2-3) were tried and moved no shape by more than ~10%:
 # bench/results/2026-12-02-h200-gemv-lab-stages.json.
+_SMALL = [("default", None, None), ("bn2 w4", 2, 4), ("bn2 w2", 2, 2), ("bn4 w4", 4, 4), ("bn4 w2", 4, 2),
+          ("bn8 w4", 8, 4), ("bn2 w1", 2, 1)]
 SUITE = [
-    ("Q8_0", [(16432, 2560), (13952, 2560)], [("default", None, None)]),
-    ("Q8_0_R8", [(16432, 2560), (13952, 2560)], [("default", None, None), ("bn4 w4", 4, 4), ("bn16 w4", 16, 4)]),
-    ("Q4_K", [(10240, 2560), (640, 2560)], [("default", None, None), ("bn8 w4", 8, 4), ("bn32 w4", 32, 4)]),
-    ("Q4_K_BYTES", [(10240, 2560), (640, 2560)], [("default", None, None)]),
-    ("Q4_K_W", [(10240, 2560)], [("default", None, None)]),
+    ("F32", [(513, 2560)], _SMALL),
+    ("Q8_0_R8", [(16432, 2560), (2560, 6144)], [("default", None, None)]),
+    ("Q8_0_R8V", [(16432, 2560), (2560, 6144)], [("default", None, None), ("bn4 w4", 4, 4), ("bn16 w4", 16, 4),
+                                                  ("bn16 w8", 16, 8), ("bn32 w8", 32, 8)]),
+    ("Q8_0", [(2560, 6144)], [("default", None, None)]),
 ]
 EXPERTS = [("Q4_K", 640, 2560, "glu"), ("Q4_K_BYTES", 640, 2560, "glu"), ("Q4_K_W", 640, 2560, "glu"),
            ("Q5_1", 2560, 640, "down")]
 """Routed-expert launches at the real shapes (10 of 256 experts): gate/up GLU and the per-slot down projection."""
-GLU_SUITE = [("Q4_K", [(1536, 2560)])]
+GLU_SUITE = [("Q8_0", [(640, 2560)])]
 """GLU (gate/up, I x K each), the default launch."""
 
 
@@ -110,7 +116,7 @@ def main() -> int:
         for n, k in shapes:
             w = random_rows(name, n, k, gen)
             ref = quants.dequantize(w, lab_type(name).type_id, k).double()
-            nbytes = w.numel()
+            nbytes = w.numel() * w.element_size()
             copies = max(4, min(96, math.ceil(BANK_BYTES / nbytes)))
             bank = [random_rows(name, n, k, gen) for _ in range(copies)]
             x = torch.randn(1, k, generator=gen, device="cuda").to(torch.bfloat16)
@@ -150,11 +156,11 @@ def main() -> int:
             def ref_fn(w0, o, refv=refv):
                 return float((o.double() - refv).abs().max() / refv.abs().max())
 
-            for label in ("glu default",):
-                def fn(gu, t=t, x=x, k=k, out=out):
-                    glu_call(t, x, gu[0], gu[1], k, out)
+            for label, bn, nw in _SMALL:
+                def fn(gu, t=t, x=x, k=k, out=out, bn=bn, nw=nw):
+                    G._launch(t, x, gu[0], None, out, gu[0].shape[0], k, 1, x.shape[0], 0, 0, 0, bn, nw, up=gu[1])
                     return out
-                r = _row(name, n, k, label, fn, (g, u), bank, nbytes, ref_fn, bw)
+                r = _row(name, n, k, "glu " + label, fn, (g, u), bank, nbytes, ref_fn, bw)
                 rows_out.append(r)
                 print(json.dumps(r), file=sys.stderr)
             del bank

@@ -264,7 +264,7 @@ def check_select(cfg: ModelConfig, ctx: int) -> dict:
     base = select_blocks(scores, positions, k, c)
     out["select_only_graph_us"] = time_graph(lambda: select_blocks(scores, positions, k, c))
     sweep = {}
-    for block, warps in ((4096, 16), (8192, 16), (4096, 8), (2048, 8), (8192, 32), (4096, 32)):
+    for block, warps in ((1024, 16), (1024, 8), (512, 8), (2048, 16), (1024, 32)):
         got = select_blocks(scores, positions, k, c, block=block, num_warps=warps)
         if not (torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])):
             raise AssertionError(f"select_blocks block={block} warps={warps} differs from the default")
@@ -383,10 +383,13 @@ def main() -> int:
         fmt = lambda v: f"{v:9.1f}" if isinstance(v, float) else f"{'-':>9}"
         print(f"{r['name']:16} {'ok' if r['ok'] else 'FAIL':4} {fmt(r.get('kernel_us'))} {fmt(us)} "
               f"{fmt(r.get('ref_us'))} {bw}  {errs or r.get('error', '')}")
+        if r.get("select_sweep_graph_us"):
+            print("    select sweep " + ", ".join(f"{n} {v:.1f}" for n, v in r["select_sweep_graph_us"].items()))
         if r.get("variants_graph_us"):
             print("    " + ", ".join(f"{n} {v:.1f}" if isinstance(v, float) else f"{n} {v}"
                                      for n, v in r["variants_graph_us"].items()))
-        for k in ("scores_only_graph_us", "topk_only_graph_us", "greedy_graph_us", "selection_overlap"):
+        for k in ("scores_only_graph_us", "topk_only_graph_us", "select_only_graph_us", "greedy_graph_us",
+                  "selection_overlap"):
             if k in r:
                 print(f"    {k} {r[k]:.3f}")
     total = time.perf_counter() - START

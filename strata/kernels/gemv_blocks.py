@@ -566,3 +566,16 @@ def decode_q4_k_hw(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
     base = c[:, None] * 64 + k[None, :] * 4
     xl = _j4(base, base + 1, base + 2, base + 3)
     return tl.join(lo * sl - ml, hi * sh - mh), tl.join(xl, xl + 32)
+
+
+@triton.jit
+def decode_q8_0_r8_v(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """Q8_0_R8 with the quants loaded as int8 along a contiguous last dimension (so x loads as vectors too) and
+    converted by the hardware. [BN, NB, 8 = block, 32]."""
+    g = tl.arange(0, NB)
+    b = tl.arange(0, 8)
+    i = tl.arange(0, 32)
+    gp = rp[:, None] + g[None, :] * 272
+    d = _f16(gp[:, :, None] + 2 * b[None, None, :])[:, :, :, None]
+    q = tl.load((gp + 16)[:, :, None, None] + (b[:, None] * 32 + i[None, :])[None, None, :, :]).to(tl.int8)
+    return q.to(tl.float32) * d, g[:, None, None] * 256 + b[None, :, None] * 32 + i[None, None, :]
