@@ -115,7 +115,7 @@ def main() -> int:
             continue
         for n, k in shapes:
             w = random_rows(name, n, k, gen)
-            ref = quants.dequantize(w, lab_type(name).type_id, k).double()
+            ref = w.double() if w.is_floating_point() else quants.dequantize(w, lab_type(name).type_id, k).double()
             nbytes = w.numel() * w.element_size()
             copies = max(4, min(96, math.ceil(BANK_BYTES / nbytes)))
             bank = [random_rows(name, n, k, gen) for _ in range(copies)]

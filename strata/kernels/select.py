@@ -10,11 +10,10 @@ How (one program per query, the row streamed from L2 in chunks of `block`):
   * Key. Each fp32 score becomes a 32-bit key whose unsigned order is the float order (flip all bits of
     negatives, the sign bit of the rest); -0.0 is folded into +0.0, so equal floats tie as in torch.topk. (A NaN
     ranks by its sign bit; `block_scores` never yields one: its ReLU is a max, which drops NaN.)
-  * Radix select. Up to three histogram passes over 11, 11 and 10 key bits (`tl.histogram`: shared-memory
-    atomics on sm_90) narrow the prefix T of the k-th largest key; each pass counts only the keys that share
-    the prefix found so far. After a pass the chosen digit's bin holds `need` of the remaining picks; when it
-    holds exactly `need` keys, all of them are chosen and the remaining passes are skipped (on random scores
-    the second pass usually ends it).
+  * Radix select. Up to eight passes over 4-bit digits of the key narrow the prefix T of the k-th largest key;
+    each pass counts, by comparison, the 16 digit values among the keys that share the prefix found so far.
+    After a pass the chosen digit's bin holds `need` of the remaining picks; when it holds exactly `need` keys,
+    all of them are chosen and the remaining passes are skipped.
   * Ties. Only if keys exactly equal to T outnumber `need` (all 32 bits spent), one more pass finds the block
     index `icut` below which the first `need` of them lie.
   * Compaction. One pass marks the chosen blocks (key prefix above T, or equal to it below `icut`) and gives
@@ -22,11 +21,11 @@ How (one program per query, the row streamed from L2 in chunks of `block`):
     chunks; each chosen block's first token is stored at its slot. After a barrier, a short loop over the k
     slots writes the other c - 1 tokens and the validity, then the tail.
 
-Cost (sm_90 SASS of the default 4096-element chunk x 16 warps, 70 registers, no spills): per element and
-thread ~9 instructions for the first pass, ~16 for the second and third, ~42 for the compaction. One program
-issues ~4 warp-instructions per clock, so at nb = 32768 that is ~2.4K + 4.1K (+ 3.8K) + 10.9K cycles, about
-7-9 us at 1.98 GHz; at nb = 8192 about a quarter of it, ~2 us. The row (128 KiB at most) is re-read from L2
-and L1 by each pass; the bandwidth (~0.6 MiB) is not the limit, the instruction issue of one SM is.
+Cost (H200, one query, tools/gpu_check_fused.py): 197 us at 32,768 candidate blocks (the 128K-capacity row),
+where torch.topk alone takes 58 us; one program streams the row once per pass and waits on each chunk's loads,
+so the kernel serves rows up to `attention.SELECT_KERNEL_MAX_BLOCKS` and torch.topk the longer ones. (With
+`tl.histogram` over 11-bit digits it took 545 us: its shared-memory atomics serialise when the keys share a
+digit, and the top digits of positive scores of one magnitude are all equal.)
 
 Everything is sized by shapes (L, nb, k, c), never by data, and no host sync happens: capturable.
 """
