@@ -43,9 +43,7 @@ def skel_gemv(t: G.GemvType, x, w, k, out, bn, nw) -> None:
 
 LAB_TYPES = {"Q4_K_W": G.GemvType("Q4_K_W", 12, 256, 144, gb.decode_q4_k_words, 6, 1, block_n=16,
                                    f16_fields=(0, 2)),
-             "Q4_K_BYTES": G._Q4_K_BYTES,
-             "Q8_0_R8V": G.GemvType("Q8_0_R8V", 1008, 256, 272, gb.decode_q8_0_r8_v, 4, 4, block_n=8,
-                                    f16_fields=tuple(range(0, 16, 2)))}
+             "Q4_K_BYTES": G._Q4_K_BYTES}
 """Candidate decoders not (yet) in the production table, by name."""
 
 
@@ -73,8 +71,7 @@ _SMALL = [("default", None, None), ("bn2 w4", 2, 4), ("bn2 w2", 2, 2), ("bn4 w4"
 SUITE = [
     ("F32", [(513, 2560)], _SMALL),
     ("Q8_0_R8", [(16432, 2560), (2560, 6144)], [("default", None, None)]),
-    ("Q8_0_R8V", [(16432, 2560), (2560, 6144)], [("default", None, None), ("bn4 w4", 4, 4), ("bn16 w4", 16, 4),
-                                                  ("bn16 w8", 16, 8), ("bn32 w8", 32, 8)]),
+    ("Q8_0_R8", [(13952, 2560)], [("default", None, None), ("bn8 w4", 8, 4)]),
     ("Q8_0", [(2560, 6144)], [("default", None, None)]),
 ]
 EXPERTS = [("Q4_K", 640, 2560, "glu"), ("Q4_K_BYTES", 640, 2560, "glu"), ("Q4_K_W", 640, 2560, "glu"),

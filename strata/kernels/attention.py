@@ -170,7 +170,8 @@ def attend(q: torch.Tensor, state: QSAState, idx: torch.Tensor, ok: torch.Tensor
         IEEE=q.dtype == torch.float32 or not q.is_cuda, UPCAST=not q.is_cuda, DT=TL_DTYPES[q.dtype])
     if not single:
         _attn_merge_kernel[(L, hq)](m, lsum, acc, out, hq, hd, ns, out.stride(0),
-                                    NSP=triton.next_power_of_2(ns), BS=8, HDP=HDP, DT=TL_DTYPES[q.dtype])
+                                    NSP=triton.next_power_of_2(ns), BS=min(32, triton.next_power_of_2(ns)), HDP=HDP,
+                                    DT=TL_DTYPES[q.dtype])
     return out
 
 

@@ -69,7 +69,6 @@ class GemvType:
     small: (rows, warps) for one token when a launch covers at most SMALL_LAUNCH_ROWS rows in all: there too few
         programs stream too few bytes each, so fewer rows per program (more programs) win.
     small_form: another decoder of the same bytes used for those small launches, where it measured faster.
-    scaled: the decoder returns codes and one scale per group of its two last (in-thread) dims (`_term`).
     dense_dtype: the element type of dense rows (None for block types).
     f16_fields: byte offsets of the fp16 scale fields in a block (for making random blocks with sane scales).
     """
@@ -87,7 +86,6 @@ class GemvType:
     small: tuple[int, int] | None = None
     dense_dtype: torch.dtype | None = None
     f16_fields: tuple[int, ...] = ()
-    scaled: bool = False
     small_form: GemvType | None = None
 
 
@@ -100,7 +98,7 @@ _TYPE_LIST: tuple[GemvType, ...] = (
     # name, ggml id, block elems, block bytes, decoder, tile rank, max blocks per chunk, then rows/warps per program
     # where not 16/4 (the fastest of a sweep at K=2560, N=8192, one token, on an H200; Q8_0 and Q4_K re-swept at
     # N x K = 10240x2560, 2560x6144 and 640x2560 by tools/gemv_lab.py: more blocks per loop step, fewer rows)
-    GemvType("F32", 0, 1, 4, gb.decode_dense, 2, 256, dense_dtype=torch.float32),
+    GemvType("F32", 0, 1, 4, gb.decode_dense, 2, 256, small=(2, 4), dense_dtype=torch.float32),
     GemvType("F16", 1, 1, 2, gb.decode_dense, 2, 512, dense_dtype=torch.float16),
     GemvType("BF16", 30, 1, 2, gb.decode_dense, 2, 512, dense_dtype=torch.bfloat16),
     GemvType("Q4_0", 2, 32, 18, gb.decode_q4_0, 4, 8, block_n=8, f16_fields=(0,)),
@@ -122,8 +120,7 @@ _TYPE_LIST: tuple[GemvType, ...] = (
     GemvType("IQ3_S", 21, 256, 110, gb.decode_iq3_s, 5, 1, table="IQ3_S", block_n=8, f16_fields=(0,)),
     GemvType("IQ2_S", 22, 256, 82, gb.decode_iq2_s, 5, 1, table="IQ2_S", block_n=8, f16_fields=(0,)),
     GemvType("IQ4_XS", 23, 256, 136, gb.decode_iq4_xs, 4, 1, table="IQ4", f16_fields=(0,)),
-    GemvType("Q8_0_R8", 1008, 256, 272, gb.decode_q8_0_r8, 6, 4, block_n=8, f16_fields=tuple(range(0, 16, 2)),
-             scaled=True),
+    GemvType("Q8_0_R8", 1008, 256, 272, gb.decode_q8_0_r8, 4, 4, block_n=4, f16_fields=tuple(range(0, 16, 2))),
 )
 
 GEMV_TYPES: dict[int, GemvType] = {t.type_id: t for t in _TYPE_LIST}
@@ -189,41 +186,18 @@ def _put(res, a, t: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, RANK: tl
 
 
 @triton.jit
-def _dec(rp, tab_ptr, DECODE: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, SCALED: tl.constexpr):
-    """(w, xo, s): a decoder's tile, x offsets and, for SCALED decoders, the scales of its last-two-dims groups
-    (1.0 otherwise)."""
-    if SCALED:
-        w, xo, s = DECODE(rp, tab_ptr, ROWS, NB)
-    else:
-        w, xo = DECODE(rp, tab_ptr, ROWS, NB)
-        s = 1.0
-    return w, xo, s
-
-
-@triton.jit
-def _term(w, s, xv, RANK: tl.constexpr, SCALED: tl.constexpr):
-    """One chunk's contribution to a token's accumulator: w * x, or for SCALED decoders (sum over the two
-    in-thread last dims of q * x) * s, one multiply per group instead of one per weight."""
-    if SCALED:
-        return tl.sum(tl.sum(w * xv, axis=RANK - 1), axis=RANK - 2) * s
-    else:
-        return w * xv
-
-
-@triton.jit
 def _tile(xp, xs, rp, tab_ptr, n_chunks,
           DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr,
-          NB: tl.constexpr, ROWS: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, SCALED: tl.constexpr):
+          NB: tl.constexpr, ROWS: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr):
     """[ROWS, T_PAD] fp32: res[r, t] = (the row at pointer rp[r]) . (x token t at xp + t*xs), for t < T <= 8.
 
     Each chunk is decoded once into a weight tile and multiplied by each token's x into that token's accumulator,
     a tile of the same shape and layout (so no data moves between threads inside the loop); the tiles are summed
     over their K dimensions once, after the loop. The first chunk initialises the accumulators (their shape is the
     decoder's); the accumulators of tokens past T are compile-time placeholders that generate no code. The rows
-    need not belong to one matrix (the GLU kernel decodes gate and up rows in one tile). SCALED decoders return
-    unscaled codes and one scale per group of their two last (in-thread) dims: see `_term`."""
-    w, xo, s = _dec(rp, tab_ptr, DECODE, ROWS, NB, SCALED)
-    a0 = _term(w, s, _x(xp, xo, xs, 0), RANK, SCALED)
+    need not belong to one matrix (the GLU kernel decodes gate and up rows in one tile)."""
+    w, xo = DECODE(rp, tab_ptr, ROWS, NB)
+    a0 = w * _x(xp, xo, xs, 0)
     a1 = 0.0
     a2 = 0.0
     a3 = 0.0
@@ -232,47 +206,46 @@ def _tile(xp, xs, rp, tab_ptr, n_chunks,
     a6 = 0.0
     a7 = 0.0
     if T > 1:
-        a1 = _term(w, s, _x(xp, xo, xs, 1), RANK, SCALED)
+        a1 = w * _x(xp, xo, xs, 1)
     if T > 2:
-        a2 = _term(w, s, _x(xp, xo, xs, 2), RANK, SCALED)
+        a2 = w * _x(xp, xo, xs, 2)
     if T > 3:
-        a3 = _term(w, s, _x(xp, xo, xs, 3), RANK, SCALED)
+        a3 = w * _x(xp, xo, xs, 3)
     if T > 4:
-        a4 = _term(w, s, _x(xp, xo, xs, 4), RANK, SCALED)
+        a4 = w * _x(xp, xo, xs, 4)
     if T > 5:
-        a5 = _term(w, s, _x(xp, xo, xs, 5), RANK, SCALED)
+        a5 = w * _x(xp, xo, xs, 5)
     if T > 6:
-        a6 = _term(w, s, _x(xp, xo, xs, 6), RANK, SCALED)
+        a6 = w * _x(xp, xo, xs, 6)
     if T > 7:
-        a7 = _term(w, s, _x(xp, xo, xs, 7), RANK, SCALED)
+        a7 = w * _x(xp, xo, xs, 7)
     for c in range(1, n_chunks):
         xc = xp + c * CHUNK_X
-        w, xo, s = _dec(rp + c * CHUNK_W, tab_ptr, DECODE, ROWS, NB, SCALED)
-        a0 += _term(w, s, _x(xc, xo, xs, 0), RANK, SCALED)
+        w, xo = DECODE(rp + c * CHUNK_W, tab_ptr, ROWS, NB)
+        a0 += w * _x(xc, xo, xs, 0)
         if T > 1:
-            a1 += _term(w, s, _x(xc, xo, xs, 1), RANK, SCALED)
+            a1 += w * _x(xc, xo, xs, 1)
         if T > 2:
-            a2 += _term(w, s, _x(xc, xo, xs, 2), RANK, SCALED)
+            a2 += w * _x(xc, xo, xs, 2)
         if T > 3:
-            a3 += _term(w, s, _x(xc, xo, xs, 3), RANK, SCALED)
+            a3 += w * _x(xc, xo, xs, 3)
         if T > 4:
-            a4 += _term(w, s, _x(xc, xo, xs, 4), RANK, SCALED)
+            a4 += w * _x(xc, xo, xs, 4)
         if T > 5:
-            a5 += _term(w, s, _x(xc, xo, xs, 5), RANK, SCALED)
+            a5 += w * _x(xc, xo, xs, 5)
         if T > 6:
-            a6 += _term(w, s, _x(xc, xo, xs, 6), RANK, SCALED)
+            a6 += w * _x(xc, xo, xs, 6)
         if T > 7:
-            a7 += _term(w, s, _x(xc, xo, xs, 7), RANK, SCALED)
-    ACC_RANK: tl.constexpr = RANK - 2 if SCALED else RANK
+            a7 += w * _x(xc, xo, xs, 7)
     res = tl.zeros([ROWS, T_PAD], dtype=tl.float32)
-    res = _put(res, a0, 0, T, T_PAD, ACC_RANK)
-    res = _put(res, a1, 1, T, T_PAD, ACC_RANK)
-    res = _put(res, a2, 2, T, T_PAD, ACC_RANK)
-    res = _put(res, a3, 3, T, T_PAD, ACC_RANK)
-    res = _put(res, a4, 4, T, T_PAD, ACC_RANK)
-    res = _put(res, a5, 5, T, T_PAD, ACC_RANK)
-    res = _put(res, a6, 6, T, T_PAD, ACC_RANK)
-    res = _put(res, a7, 7, T, T_PAD, ACC_RANK)
+    res = _put(res, a0, 0, T, T_PAD, RANK)
+    res = _put(res, a1, 1, T, T_PAD, RANK)
+    res = _put(res, a2, 2, T, T_PAD, RANK)
+    res = _put(res, a3, 3, T, T_PAD, RANK)
+    res = _put(res, a4, 4, T, T_PAD, RANK)
+    res = _put(res, a5, 5, T, T_PAD, RANK)
+    res = _put(res, a6, 6, T, T_PAD, RANK)
+    res = _put(res, a7, 7, T, T_PAD, RANK)
     return res
 
 
@@ -319,7 +292,7 @@ def _gemv_kernel(
     N, n_chunks,
     w_row_stride, w_slot_stride, x_tok_stride, x_slot_stride, out_tok_stride, out_slot_stride,
     DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr, NB: tl.constexpr,
-    SCALED: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr,
+    BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr,
 ):
     """out[slot, t, rows] = W[slot's matrix][rows] . x[slot, t] for BN rows, T <= 8 tokens.
 
@@ -332,7 +305,7 @@ def _gemv_kernel(
     rows_c = tl.minimum(rows, N - 1).to(tl.int64)
     rp = w_ptr + _matrix(ids_ptr, slot, HAS_IDS) * w_slot_stride + rows_c * w_row_stride
     res = _tile(x_ptr + slot * x_slot_stride, x_tok_stride, rp, tab_ptr, n_chunks,
-                DECODE, RANK, CHUNK_W, CHUNK_X, NB, BN, T, T_PAD, SCALED)
+                DECODE, RANK, CHUNK_W, CHUNK_X, NB, BN, T, T_PAD)
     _store(out_ptr + slot * out_slot_stride, res, rows, N, out_tok_stride, T, T_PAD)
 
 
@@ -350,7 +323,7 @@ def _glu_kernel(
     g_row_stride, u_row_stride, g_slot_stride, u_slot_stride, x_tok_stride, x_slot_stride,
     out_tok_stride, out_slot_stride,
     DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr, NB: tl.constexpr,
-    SCALED: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr,
+    BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr,
     ACT: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """out[slot, t, rows] = act(G[rows] . x) * (U[rows] . x), G and U the gate and up matrices of `slot`.
@@ -369,7 +342,7 @@ def _glu_kernel(
     if ALIGN > 1:  # both matrices' rows start ALIGN-aligned (the launcher checked): keep vector loads
         rp = tl.multiple_of(rp, ALIGN)
     res = _tile(x_ptr + slot * x_slot_stride, x_tok_stride, rp, tab_ptr, n_chunks,
-                DECODE, RANK, CHUNK_W, CHUNK_X, NB, 2 * BN, T, T_PAD, SCALED)
+                DECODE, RANK, CHUNK_W, CHUNK_X, NB, 2 * BN, T, T_PAD)
     g, u = tl.split(tl.permute(tl.reshape(res, [2, BN, T_PAD]), (1, 2, 0)))
     dt: tl.constexpr = out_ptr.dtype.element_ty
     y = _rounded(_act(_rounded(g, dt), ACT), dt) * _rounded(u, dt)
@@ -468,8 +441,7 @@ def _decode_args(t: GemvType, k: int) -> tuple[int, dict[str, Any]]:
     nb = _chunk_blocks(t, k)
     chunk_w = nb if t.dense_dtype is not None else nb * t.block_bytes  # elements of dense rows, bytes of packed
     return k // (nb * t.block_elems), {
-        "DECODE": t.decode, "RANK": t.rank, "CHUNK_W": chunk_w, "CHUNK_X": nb * t.block_elems, "NB": nb,
-        "SCALED": t.scaled}
+        "DECODE": t.decode, "RANK": t.rank, "CHUNK_W": chunk_w, "CHUNK_X": nb * t.block_elems, "NB": nb}
 
 
 def _small(t: GemvType, n_tok: int, total_rows: int) -> bool:

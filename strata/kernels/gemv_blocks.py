@@ -20,8 +20,9 @@ How the decoders are built, and why:
   nibble bytes of Q4_K), and the bit fields are split off into an extra dimension (nibble, 2-bit plane) rather than
   reassembled into element order; `xo` follows the same order.
 * Small unsigned codes become fp32 with the exponent trick `bits(0x4B000000 | q) - 2^23` (an OR and an FADD)
-  rather than an int-to-float convert, whose throughput on Hopper is a quarter of the FP32 rate and would cap a
-  memory-bound GEMV below bandwidth. The code's zero offset (8 for Q4_0, 32 for Q6_K...) folds into the FADD.
+  rather than an int-to-float convert, whose throughput on Hopper is a quarter of the FP32 rate. (Q8_0_R8 is
+  the exception: its bytes are whole codes, and loading them along K as int8 lets x load as vectors too, which
+  measured faster: the GEMV is bound by load traffic through L1 more than by instructions.) The code's zero offset (8 for Q4_0, 32 for Q6_K...) folds into the FADD.
 * Scales are combined per block or sub-block first (d * sc, dmin * m) and applied with one multiply or FMA per
   weight. Only fp32 rounding order differs from "dequantize, then dot".
 * fp16 scales are read through a 2-byte pointer (every scale in every ggml block sits at an even offset).
@@ -485,24 +486,6 @@ def decode_iq3_s(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def decode_q8_0_r8(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
-    """Q8_0_R8: eight Q8_0 blocks regrouped as {fp16 d[8]; int8 q[8][32]} (272 bytes, so the quants of every group
-    are 16-byte aligned and load as int32 words). NB groups per chunk. Scaled form: the codes q as a
-    [BN, NB, 8 = block, 8 = word, 2, 2 = byte] tile and d per word, [BN, NB, 8, 8]."""
-    g = tl.arange(0, NB)
-    b = tl.arange(0, 8)
-    k = tl.arange(0, 8)
-    gp = rp[:, None] + g[None, :] * 272
-    d = _f16(gp[:, :, None] + 2 * b[None, None, :])[:, :, :, None]
-    v = tl.load((gp + 16).to(tl.pointer_type(tl.int32))[:, :, None, None]
-                + (b[:, None] * 8 + k[None, :])[None, None, :, :]) ^ -2139062144  # 0x80808080: bytes + 128
-    q = _j4(_i2f(v & 255, 128.0), _i2f((v >> 8) & 255, 128.0),
-            _i2f((v >> 16) & 255, 128.0), _i2f((v >> 24) & 255, 128.0))
-    base = g[:, None, None] * 256 + b[None, :, None] * 32 + k[None, None, :] * 4
-    return q, _j4(base, base + 1, base + 2, base + 3), d
-
-
-@triton.jit
 def decode_q4_k_words(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
     """Q4_K read as int32 words: the 128 nibble bytes sit 16-byte aligned at offset 16 of the 144-byte block, so
     each thread loads whole 16-byte vectors (the byte-wise decoder issues one load per byte). One super-block per
@@ -569,9 +552,11 @@ def decode_q4_k_hw(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def decode_q8_0_r8_v(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
-    """Q8_0_R8 with the quants loaded as int8 along a contiguous last dimension (so x loads as vectors too) and
-    converted by the hardware. [BN, NB, 8 = block, 32]."""
+def decode_q8_0_r8(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """Q8_0_R8: eight Q8_0 blocks regrouped as {fp16 d[8]; int8 q[8][32]} (272 bytes, so every group's quants are
+    16-byte aligned). The quants load as int8 along a contiguous last dimension, so both they and x load as
+    16-byte vectors (here the hardware int-to-float convert, whose quarter rate is not the limit: the GEMV is
+    bound by load traffic through L1). NB groups per chunk. [BN, NB, 8 = block, 32]."""
     g = tl.arange(0, NB)
     b = tl.arange(0, 8)
     i = tl.arange(0, 32)

@@ -40,8 +40,7 @@ def _route_kernel(logits_ptr, idx_ptr, w_ptr, E, K, stride_l,
     top_w = tl.zeros([BK], tl.float32)
     top_i = tl.zeros([BK], tl.int64)
     for j in range(K):
-        v = tl.max(p, axis=0)
-        i = tl.min(tl.where(p == v, e, BE), axis=0)  # lowest index among equal maxima
+        v, i = tl.max(p, axis=0, return_indices=True, return_indices_tie_break_left=True)  # lowest index on ties
         top_w = tl.where(slots == j, v, top_w)
         top_i = tl.where(slots == j, i.to(tl.int64), top_i)
         p = tl.where(e == i, -2.0, p)
@@ -62,8 +61,10 @@ def route(logits: torch.Tensor, k: int, norm_topk_prob: bool) -> tuple[torch.Ten
     L, E = logits.shape
     top_i = torch.empty(L, k, dtype=torch.int64, device=logits.device)
     top_w = torch.empty(L, k, dtype=logits.dtype, device=logits.device)
+    # one warp: the k dependent max-reductions stay in warp shuffles, with no barrier between warps
     _route_kernel[(L,)](logits, top_i, top_w, E, k, logits.stride(0), NORM=bool(norm_topk_prob),
-                        BE=triton.next_power_of_2(E), BK=triton.next_power_of_2(k), DT=TL_DTYPES[logits.dtype])
+                        BE=triton.next_power_of_2(E), BK=triton.next_power_of_2(k), DT=TL_DTYPES[logits.dtype],
+                        num_warps=1)
     return top_i, top_w
 
 
