@@ -24,11 +24,10 @@ its output (pass `out=` to avoid even that), so all can be captured in a CUDA gr
 Dense weights (F32, F16, BF16) go through the same kernel with one "block" per element; their `w_data` may be the
 typed tensor itself or its uint8 view.
 
-Speed (tools/gpu_check_gemv.py, H200, K=2560, N=8192, one token, as a fraction of the device copy rate): dense
-rows 0.8-0.9; the quantized types decode about 1.2-1.9e12 weights/s whatever their size, i.e. they are bound by
-per-weight instructions, not by memory: Q8_0 0.40, Q5_1/Q4_1/Q4_0/Q6_K/Q5_0 0.22-0.27, Q4_K/Q5_K/IQ4_* 0.19-0.20,
-the 2-3 bit types 0.07-0.13. Several tokens per launch share the decode but not the x loads and FMAs. The
-per-type rows/warps defaults below are the fastest of a sweep; `--sweep` in the tool repeats it.
+Speed (tools/gemv_lab.py, H200, one token, fraction of the device copy rate; docs/performance.md): the GEMV is
+bound by load traffic through L1 (x gathers, scale loads, layout conversions), not by DRAM. Q8_0 0.36-0.42,
+Q8_0_R8 0.55 (16432 x 2560), Q4_K 0.23 (10240 x 2560), Q5_1/Q6_K 0.2-0.3; launches of a few MB are latency-bound
+(routed-expert GLU 0.20). The per-type rows/warps defaults below are the fastest of the lab's sweeps.
 """
 
 from __future__ import annotations
