@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.test_kernels_gemv import _blocks as gb  # the interpreter-mode decoders
 from tests.test_kernels_gemv import (
     RTOL,
     G,
@@ -213,6 +214,29 @@ def test_gemv_experts_glu(name: str) -> None:
     for s, e in enumerate(ids):
         assert torch.equal(z1[s:s + 1], G.gemv_glu(x1, gs[e], us[e], name, k, out_dtype=torch.bfloat16))
     assert torch.equal(z1[0], z1[2])  # the repeated expert on the shared x
+
+
+def test_q4_k_both_forms_one_token(monkeypatch) -> None:
+    """Q4_K has two decoders of the same bytes: byte-wise for small one-token launches, int32 words (with the GLU
+    told its rows are 16-byte aligned) for the rest, as the real geometry's routed experts run. Both, for the
+    plain, expert and expert-GLU launches of one token, against the reference."""
+    rng = np.random.default_rng(32)
+    k = kk("Q4_K")
+    gs, g64 = stack("Q4_K", 3, N, k, rng)
+    us, u64 = stack("Q4_K", 3, N, k, rng)
+    x1 = x_for(g64[0], 1, 32)
+    ids = torch.tensor([2, 0, 1])
+    decoders = []
+    real = G._decode_args
+    monkeypatch.setattr(G, "_decode_args", lambda t, kk_: (decoders.append(t.decode), real(t, kk_))[1])
+    for small_rows in (G.SMALL_LAUNCH_ROWS, 0):  # 0: no launch counts as small, the word-wise form runs
+        monkeypatch.setattr(G, "SMALL_LAUNCH_ROWS", small_rows)
+        z = G.gemv_experts_glu(x1, gs, us, ids, "Q4_K", k, poisoned((3, N)))
+        y = G.gemv_experts(x1, gs, ids, "Q4_K", k, poisoned((3, N)))
+        for s, e in enumerate(ids.tolist()):
+            check_glu(z[s:s + 1], x1, g64[e], u64[e])
+            assert_close(y[s:s + 1], x1.double() @ g64[e].T, x1.double().abs() @ g64[e].abs().T)
+    assert decoders == [gb.decode_q4_k] * 2 + [gb.decode_q4_k_hw] * 2
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -5,14 +5,16 @@ larger than L2 (so every byte comes from HBM), as GB/s of stored bytes and a fra
 
 * `SUITE`: per type and shape, the production defaults (`strata.kernels.gemv`) against other rows/warps per
   program;
-* `EXPERTS`: the routed-expert launches at the real shapes (10 of 256 experts per call): gate/up GLU, down;
+* `EXPERTS`: the routed-expert launches at the real shapes (10 of 256 experts per call): gate/up GLU, down
+  (timed only: their outputs are not checked here; tests/test_kernels_gemv_fused.py checks both Q4_K forms);
 * `GLU_SUITE`: the gate/up GLU of one matrix pair.
 
-Earlier variants (Q8_0 regrouped by 8 blocks, a tensor-core dot per block, a factored Q8_0 decoder, pipelined K
-loops) and their timings are in bench/results/2026-12-02-h200-gemv-lab*.json.
+The suites hold what the last experiment compared; earlier variants (a tensor-core dot per block, a factored
+Q8_0 decoder, pipelined K loops, Q8_0_R8 with one scale per int32 word, Q4_K with only its nibbles as words, x
+loaded in the weight tile's layout) and their timings are in bench/results/2026-12-02-h200-gemv-lab*.json.
 
-    python tools/gemv_lab.py --out lab.json            # ~1-2 minutes on an H200
-    python tools/gemv_lab.py --types Q4_K,Q8_0
+    python tools/gemv_lab.py --out lab.json            # under a minute on an H200
+    python tools/gemv_lab.py --types Q4_K,Q8_0 --no-experts --no-glu
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from strata.kernels import gemv as G  # noqa: E402
-from strata.kernels import gemv_blocks as gb  # noqa: E402
 from strata.runtime.bench import copy_bandwidth  # noqa: E402
 from strata.weights import quants  # noqa: E402
 from tools.gpu_check_gemv import time_graph  # noqa: E402
@@ -41,10 +42,9 @@ def skel_gemv(t: G.GemvType, x, w, k, out, bn, nw) -> None:
     G._launch(t, x, w, None, out, w.shape[0], k, 1, x.shape[0], 0, 0, 0, bn, nw)
 
 
-LAB_TYPES = {"Q4_K_W": G.GemvType("Q4_K_W", 12, 256, 144, gb.decode_q4_k_words, 6, 1, block_n=16,
-                                   f16_fields=(0, 2)),
-             "Q4_K_BYTES": G._Q4_K_BYTES}
-"""Candidate decoders not (yet) in the production table, by name."""
+LAB_TYPES = {"Q4_K_BYTES": G._Q4_K_BYTES}
+"""Decoders not in the production table, by name: Q4_K_BYTES is Q4_K's byte-wise form, which production keeps
+for small one-token launches only. (Rejected candidates and their timings: bench/results/*gemv-lab*.json.)"""
 
 
 def lab_type(name: str) -> G.GemvType:
@@ -74,8 +74,7 @@ SUITE = [
     ("Q8_0_R8", [(13952, 2560)], [("default", None, None), ("bn8 w4", 8, 4)]),
     ("Q8_0", [(2560, 6144)], [("default", None, None)]),
 ]
-EXPERTS = [("Q4_K", 640, 2560, "glu"), ("Q4_K_BYTES", 640, 2560, "glu"), ("Q4_K_W", 640, 2560, "glu"),
-           ("Q5_1", 2560, 640, "down")]
+EXPERTS = [("Q4_K", 640, 2560, "glu"), ("Q4_K_BYTES", 640, 2560, "glu"), ("Q5_1", 2560, 640, "down")]
 """Routed-expert launches at the real shapes (10 of 256 experts): gate/up GLU and the per-slot down projection."""
 GLU_SUITE = [("Q8_0", [(640, 2560)])]
 """GLU (gate/up, I x K each), the default launch."""

@@ -486,29 +486,6 @@ def decode_iq3_s(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def decode_q4_k_words(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
-    """Q4_K read as int32 words: the 128 nibble bytes sit 16-byte aligned at offset 16 of the 144-byte block, so
-    each thread loads whole 16-byte vectors (the byte-wise decoder issues one load per byte). One super-block per
-    chunk. [BN, 4 = c, 8 = word, 2, 2 = byte, 2 = nibble]: byte 4k + j of group c holds elements 64c + 4k + j (low
-    nibble, sub-block 2c) and 64c + 32 + 4k + j (high, 2c + 1)."""
-    tl.static_assert(NB == 1, "decode_q4_k_words: one super-block per chunk")
-    c = tl.arange(0, 4)
-    k = tl.arange(0, 8)
-    v = tl.load((rp + 16).to(tl.pointer_type(tl.int32))[:, None, None] + (c[:, None] * 8 + k[None, :])[None, :, :])
-    sl, ml, sh, mh = _k4_scales(rp, c)
-    sl = sl[:, :, :, None, None]
-    ml = ml[:, :, :, None, None]
-    sh = sh[:, :, :, None, None]
-    mh = mh[:, :, :, None, None]
-    lo = _j4(_i2f(v & 15, 0.0), _i2f((v >> 8) & 15, 0.0), _i2f((v >> 16) & 15, 0.0), _i2f((v >> 24) & 15, 0.0))
-    hi = _j4(_i2f((v >> 4) & 15, 0.0), _i2f((v >> 12) & 15, 0.0), _i2f((v >> 20) & 15, 0.0),
-             _i2f((v >> 28) & 15, 0.0))
-    base = c[:, None] * 64 + k[None, :] * 4
-    xl = _j4(base, base + 1, base + 2, base + 3)
-    return tl.join(lo * sl - ml, hi * sh - mh), tl.join(xl, xl + 32)
-
-
-@triton.jit
 def _byte(w, sh):
     """Byte at bit offset sh of int32 words w, as int32 in [0, 256)."""
     return (w >> sh) & 255
@@ -516,9 +493,11 @@ def _byte(w, sh):
 
 @triton.jit
 def decode_q4_k_hw(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
-    """Q4_K as int32 words throughout: the 16-byte header {fp16 d, dmin; scales[12]} as 4 words (one vector load
-    per row instead of ten 1- and 2-byte loads) and the nibbles as in `decode_q4_k_words`. One super-block per
-    chunk. [BN, 4 = c, 8 = word, 2, 2 = byte, 2 = nibble]."""
+    """Q4_K as int32 words throughout: the 16-byte header {fp16 d, dmin; scales[12]} as 4 words (instead of ten
+    1- and 2-byte loads per row) and the 128 nibble bytes, 16-byte aligned at offset 16 of the 144-byte block, as
+    16-byte vectors (`decode_q4_k` issues one load per byte). One super-block per chunk.
+    [BN, 4 = c, 8 = word, 2, 2 = byte, 2 = nibble]: byte 4k + j of group c holds elements 64c + 4k + j (low nibble,
+    sub-block 2c) and 64c + 32 + 4k + j (high, 2c + 1)."""
     tl.static_assert(NB == 1, "decode_q4_k_hw: one super-block per chunk")
     c = tl.arange(0, 4)
     k = tl.arange(0, 8)
