@@ -80,6 +80,20 @@ GLU_SUITE = [("Q8_0", [(640, 2560)])]
 """GLU (gate/up, I x K each), the default launch."""
 
 
+def expert_err(out: torch.Tensor, x: torch.Tensor, sg: torch.Tensor, su: torch.Tensor | None, ids: torch.Tensor,
+               type_id: int, k: int) -> float:
+    """Largest error of one expert launch's slots against "dequantize, then matmul" in float64, relative to the
+    largest reference value (the GLU's output is bf16, so its error is bf16 rounding, ~4e-3)."""
+    errs, refs = [], []
+    for s, e in enumerate(ids.tolist()):
+        xs = (x[0] if x.shape[0] == 1 else x[s]).double()
+        g = xs @ quants.dequantize(sg[e], type_id, k).double().T
+        ref = g if su is None else torch.nn.functional.silu(g) * (xs @ quants.dequantize(su[e], type_id, k).double().T)
+        errs.append((out[s].double() - ref).abs().max())
+        refs.append(ref.abs().max())
+    return float(max(errs) / max(refs))
+
+
 def glu_call(t: G.GemvType, x, g, u, k, out) -> None:
     G._launch(t, x, g, None, out, g.shape[0], k, 1, x.shape[0], 0, 0, 0, None, None, up=u)
 
@@ -183,9 +197,10 @@ def main() -> int:
 
             out_e = torch.empty(10, n, device="cuda", dtype=torch.bfloat16 if kind == "glu" else torch.float32)
             try:
+                err = expert_err(fn(id_sets[0]).float(), x, stack_g, stack_u, id_sets[0], t.type_id, k)
                 s_call = time_graph([lambda ids=ids: fn(ids) for ids in id_sets])
                 r = {"type": name, "n": n, "k": k, "variant": f"experts {kind} {label}", "us": s_call * 1e6,
-                     "GBps": nbytes / s_call / 1e9, "frac": nbytes / s_call / bw, "err": 0.0}
+                     "GBps": nbytes / s_call / 1e9, "frac": nbytes / s_call / bw, "err": err}
             except Exception as e:  # noqa: BLE001
                 r = {"type": name, "n": n, "k": k, "variant": f"experts {kind} {label}",
                      "error": f"{type(e).__name__}: {e}"[:300]}
