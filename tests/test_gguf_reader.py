@@ -114,7 +114,8 @@ def test_absurd_counts_and_lengths(fixtures_dir, tmp_path):
 
 def test_unknown_and_unsupported_quant_types(fixtures_dir, tmp_path):
     src = fixtures_dir / "tiny-f32.gguf"
-    for type_id, msg in ((99, "unknown ggml type 99"), (15, r"ggml type 15 \(Q8_K\) is not supported")):
+    for type_id, msg in ((99, "unknown ggml type 99"), (15, r"ggml type 15 \(Q8_K\) is not supported"),
+                         (1008, "unknown ggml type 1008")):  # strata's in-memory Q8_0_R8 is no file type
         p = _copy(src, tmp_path / f"t{type_id}.gguf")
         patch_tensor_type(p, "blk.0.ssm_out.weight", type_id)
         with pytest.raises(GGUFError, match=f"tensor 'blk.0.ssm_out.weight': {msg}"):

@@ -29,8 +29,8 @@ runs the group as one GEMV (one launch instead of up to five)."""
 REPACK_MIN_ROWS_PER_K = 4
 """A fused group on a GPU is stored in its repacked layout (`strata.weights.repack`: Q8_0 -> Q8_0_R8) when it has
 at least this many rows per input column. The GEMV of the repacked rows measured faster for tall matrices
-(16432 x 2560: 20.8 us against 24.7) and slower for short wide ones (2560 x 6144: 17.2 against 10.5;
-tools/gemv_lab.py, H200)."""
+(16432 x 2560: 19.3 us against 25.1; 13952 x 2560: 16.6 against 21.7) and slower for short wide ones
+(2560 x 6144: 11.6 against 10.8; tools/gemv_lab.py, H200)."""
 
 
 def fuse_rows(parts: list[StoredTensor], repack: bool = False) -> list[StoredTensor]:

@@ -104,7 +104,7 @@ def ggml_type(type_id: int) -> GGMLType:
         return found
     name = _UNSUPPORTED_NAMES.get(type_id)
     what = f"ggml type {type_id} ({name})" if name else f"unknown ggml type {type_id}"
-    supported = ", ".join(t.name for t in GGML_TYPES.values())
+    supported = ", ".join(t.name for t in GGML_TYPES.values() if t.id < repack.FIRST_REPACKED_ID)
     raise UnsupportedTypeError(f"{what} is not supported; strata dequantizes {supported}")
 
 
