@@ -21,6 +21,7 @@ from strata.weights.quants_k import (
     f16_at,
     f16_from_bits,
     ints,
+    iq4nl_byte_levels,
     iq4nl_values,
     lookup,
     u16_at,
@@ -326,9 +327,11 @@ def iq1_m(blocks: Tensor) -> Tensor:
 
 
 def iq4_nl(blocks: Tensor) -> Tensor:
-    """d, 16 bytes of 4-bit level indices (16 low nibbles, then 16 high); w = d * level."""
-    q = bits(ints(blocks, 2, 18), (0, 4), 0xF, dim=-2).reshape(blocks.shape[0], 32)
-    return f16_at(blocks, 0) * lookup(iq4nl_values, q)
+    """d, 16 bytes of 4-bit level indices (16 low nibbles, then 16 high); w = d * level. Each byte indexes a
+    table of its two levels (half the tensor ops of splitting the nibbles first: the decode of a token's PLE rows
+    is host work on every decode step)."""
+    pairs = lookup(iq4nl_byte_levels, blocks[:, 2:18])  # (n, 16, 2 = low, high)
+    return f16_at(blocks, 0) * pairs.transpose(1, 2).reshape(blocks.shape[0], 32)
 
 
 def iq4_xs(blocks: Tensor) -> Tensor:

@@ -74,6 +74,12 @@ def iq4nl_values() -> Tensor:
     return torch.tensor(levels, dtype=torch.float32)
 
 
+def iq4nl_byte_levels() -> Tensor:
+    """(256, 2): the IQ4_NL levels of a byte's low and high nibble."""
+    b = torch.arange(256)
+    return iq4nl_values()[torch.stack([b & 15, b >> 4], 1)]
+
+
 def fp4_values() -> Tensor:
     """The 16 e2m1 values, doubled (ggml's kvalues_mxfp4)."""
     return torch.tensor((0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12), dtype=torch.float32)
