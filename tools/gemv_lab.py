@@ -94,10 +94,6 @@ def expert_err(out: torch.Tensor, x: torch.Tensor, sg: torch.Tensor, su: torch.T
     return float(max(errs) / max(refs))
 
 
-def glu_call(t: G.GemvType, x, g, u, k, out) -> None:
-    G._launch(t, x, g, None, out, g.shape[0], k, 1, x.shape[0], 0, 0, 0, None, None, up=u)
-
-
 def _row(name, n, k, label, fn, w0, bank, nbytes, ref_fn, bw):
     try:
         out = fn(w0)

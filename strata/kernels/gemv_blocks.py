@@ -243,12 +243,17 @@ def _k4_scale_min_nb(sp, s):
     j = (s & 3)[None, None, :, None]
     low = (s < 4)[None, None, :, None]
     p = sp[:, :, None, None] + j
-    b0 = _u8(p)
-    b4 = _u8(p + 4)
-    b8 = _u8(p + 8)
+    sc, mn = _k4_unpack(_u8(p), _u8(p + 4), _u8(p + 8), low)
+    return _i2f(sc, 0.0), _i2f(mn, 0.0)
+
+
+@triton.jit
+def _k4_unpack(b0, b4, b8, low):
+    """Scale and min (int32) of K-quant sub-block j from bytes j, j + 4 and j + 8 of its 12 packed bytes (j & 3
+    for sub-blocks 4-7, flagged by `low` False): ggml's get_scale_min_k4."""
     sc = tl.where(low, b0 & 63, (b8 & 15) | ((b0 >> 6) << 4))
     mn = tl.where(low, b4 & 63, (b8 >> 4) | ((b4 >> 6) << 4))
-    return _i2f(sc, 0.0), _i2f(mn, 0.0)
+    return sc, mn
 
 
 @triton.jit
@@ -268,6 +273,47 @@ def decode_q4_k(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
     base = s[:, None, None] * 256 + c[None, :, None] * 64 + i[None, None, :]
     return (tl.join(_i2f(qb & 15, 0.0) * (d * sl) - dm * ml, _i2f(qb >> 4, 0.0) * (d * sh) - dm * mh),
             tl.join(base, base + 32))
+
+
+@triton.jit
+def _byte(w, sh):
+    """Byte at bit offset sh of int32 words w, as int32 in [0, 256)."""
+    return (w >> sh) & 255
+
+
+@triton.jit
+def decode_q4_k_hw(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """Q4_K as int32 words throughout: the 16-byte header {fp16 d, dmin; scales[12]} as 4 words (instead of ten
+    1- and 2-byte loads per row) and the 128 nibble bytes, 16-byte aligned at offset 16 of the 144-byte block, as
+    16-byte vectors (`decode_q4_k` issues one load per byte). One super-block per chunk.
+    [BN, 4 = c, 8 = word, 2, 2 = byte, 2 = nibble]: byte 4k + j of group c holds elements 64c + 4k + j (low nibble,
+    sub-block 2c) and 64c + 32 + 4k + j (high, 2c + 1)."""
+    tl.static_assert(NB == 1, "decode_q4_k_hw: one super-block per chunk")
+    c = tl.arange(0, 4)
+    k = tl.arange(0, 8)
+    wp = rp.to(tl.pointer_type(tl.int32))
+    v = tl.load((wp + 4)[:, None, None] + (c[:, None] * 8 + k[None, :])[None, :, :])
+    w0 = tl.load(wp)[:, None]
+    w1 = tl.load(wp + 1)[:, None]
+    w2 = tl.load(wp + 2)[:, None]
+    w3 = tl.load(wp + 3)[:, None]
+    d = (w0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    dm = ((w0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    low = (c < 2)[None, :]
+    s_lo = (16 * c % 32)[None, :]  # byte (2c) & 3 of a scale word
+    s_hi = s_lo + 8  # byte (2c + 1) & 3
+    sc_lo, mn_lo = _k4_unpack(_byte(w1, s_lo), _byte(w2, s_lo), _byte(w3, s_lo), low)
+    sc_hi, mn_hi = _k4_unpack(_byte(w1, s_hi), _byte(w2, s_hi), _byte(w3, s_hi), low)
+    sl = (d * _i2f(sc_lo, 0.0))[:, :, None, None, None]
+    ml = (dm * _i2f(mn_lo, 0.0))[:, :, None, None, None]
+    sh = (d * _i2f(sc_hi, 0.0))[:, :, None, None, None]
+    mh = (dm * _i2f(mn_hi, 0.0))[:, :, None, None, None]
+    lo = _j4(_i2f(v & 15, 0.0), _i2f((v >> 8) & 15, 0.0), _i2f((v >> 16) & 15, 0.0), _i2f((v >> 24) & 15, 0.0))
+    hi = _j4(_i2f((v >> 4) & 15, 0.0), _i2f((v >> 12) & 15, 0.0), _i2f((v >> 20) & 15, 0.0),
+             _i2f((v >> 28) & 15, 0.0))
+    base = c[:, None] * 64 + k[None, :] * 4
+    xl = _j4(base, base + 1, base + 2, base + 3)
+    return tl.join(lo * sl - ml, hi * sh - mh), tl.join(xl, xl + 32)
 
 
 @triton.jit
@@ -481,53 +527,9 @@ def decode_iq3_s(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
     db = (_f16(rp)[:, None] * _i2f(2 * ((sb >> (4 * (ib % 2))[None, :]) & 15) + 1, 0.0))[:, :, None]
     return _grid4(word, sg >> ((p % 2) * 4)[None, None, :], db)
 
+
 # ---------------------------------------------------------------------------------------------------------------
 # strata's repacked layouts (made at placement from the ggml ones; same bytes, 16-byte aligned quants)
-
-
-@triton.jit
-def _byte(w, sh):
-    """Byte at bit offset sh of int32 words w, as int32 in [0, 256)."""
-    return (w >> sh) & 255
-
-
-@triton.jit
-def decode_q4_k_hw(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
-    """Q4_K as int32 words throughout: the 16-byte header {fp16 d, dmin; scales[12]} as 4 words (instead of ten
-    1- and 2-byte loads per row) and the 128 nibble bytes, 16-byte aligned at offset 16 of the 144-byte block, as
-    16-byte vectors (`decode_q4_k` issues one load per byte). One super-block per chunk.
-    [BN, 4 = c, 8 = word, 2, 2 = byte, 2 = nibble]: byte 4k + j of group c holds elements 64c + 4k + j (low nibble,
-    sub-block 2c) and 64c + 32 + 4k + j (high, 2c + 1)."""
-    tl.static_assert(NB == 1, "decode_q4_k_hw: one super-block per chunk")
-    c = tl.arange(0, 4)
-    k = tl.arange(0, 8)
-    wp = rp.to(tl.pointer_type(tl.int32))
-    v = tl.load((wp + 4)[:, None, None] + (c[:, None] * 8 + k[None, :])[None, :, :])
-    w0 = tl.load(wp)[:, None]
-    w1 = tl.load(wp + 1)[:, None]
-    w2 = tl.load(wp + 2)[:, None]
-    w3 = tl.load(wp + 3)[:, None]
-    d = (w0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    dm = ((w0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    low = (c < 2)[None, :]
-    s_lo = (16 * c % 32)[None, :]  # byte (2c) & 3 of a scale word
-    s_hi = s_lo + 8  # byte (2c + 1) & 3
-    b1l, b2l, b3l = _byte(w1, s_lo), _byte(w2, s_lo), _byte(w3, s_lo)
-    b1h, b2h, b3h = _byte(w1, s_hi), _byte(w2, s_hi), _byte(w3, s_hi)
-    sc_lo = tl.where(low, b1l & 63, (b3l & 15) | ((b1l >> 6) << 4))
-    mn_lo = tl.where(low, b2l & 63, (b3l >> 4) | ((b2l >> 6) << 4))
-    sc_hi = tl.where(low, b1h & 63, (b3h & 15) | ((b1h >> 6) << 4))
-    mn_hi = tl.where(low, b2h & 63, (b3h >> 4) | ((b2h >> 6) << 4))
-    sl = (d * _i2f(sc_lo, 0.0))[:, :, None, None, None]
-    ml = (dm * _i2f(mn_lo, 0.0))[:, :, None, None, None]
-    sh = (d * _i2f(sc_hi, 0.0))[:, :, None, None, None]
-    mh = (dm * _i2f(mn_hi, 0.0))[:, :, None, None, None]
-    lo = _j4(_i2f(v & 15, 0.0), _i2f((v >> 8) & 15, 0.0), _i2f((v >> 16) & 15, 0.0), _i2f((v >> 24) & 15, 0.0))
-    hi = _j4(_i2f((v >> 4) & 15, 0.0), _i2f((v >> 12) & 15, 0.0), _i2f((v >> 20) & 15, 0.0),
-             _i2f((v >> 28) & 15, 0.0))
-    base = c[:, None] * 64 + k[None, :] * 4
-    xl = _j4(base, base + 1, base + 2, base + 3)
-    return tl.join(lo * sl - ml, hi * sh - mh), tl.join(xl, xl + 32)
 
 
 @triton.jit

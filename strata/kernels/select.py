@@ -53,11 +53,12 @@ def _ukey(s):
 
 
 @triton.jit
-def _radix_pass(row, NB, need, pre, hmask, offs, bins, SHIFT: tl.constexpr, DMASK: tl.constexpr,
+def _radix_pass(row, NB, need, pre, hmask, offs, bins, SHIFT: tl.constexpr,
                 BLOCK: tl.constexpr, NBINS: tl.constexpr, EVEN: tl.constexpr):
     """One digit of the radix select: histogram the digit at SHIFT of the keys matching `pre` under `hmask`,
     pick the digit holding the need-th largest, and narrow (need, pre, hmask); `going` is False once the chosen
     bin holds exactly `need` keys (all of them are chosen, so the lower bits cannot matter)."""
+    DMASK: tl.constexpr = NBINS - 1
     HM: tl.constexpr = ((DMASK << SHIFT) ^ 0x80000000) - 0x80000000  # the digit's bits, as an int32
     hist = tl.zeros([NBINS], tl.int32)
     for c0 in range(0, NB, BLOCK):
@@ -104,7 +105,7 @@ def _select_kernel(s_ptr, pos_ptr, idx_ptr, ok_ptr, NB, K, s_sl, s_il, s_ol,
     for p in tl.static_range(32 // DIGIT):
         if going:
             need, pre, hmask, going = _radix_pass(row, NB, need, pre, hmask, offs, bins, 32 - DIGIT * (p + 1),
-                                                  NBINS - 1, BLOCK, NBINS, EVEN)
+                                                  BLOCK, NBINS, EVEN)
 
     # --- ties: if keys equal to the K-th largest outnumber the picks left, the lowest block indices win:
     # `icut` is one past the need-th such key in block order (rare: all 32 key bits are spent by then)

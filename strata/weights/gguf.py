@@ -208,12 +208,8 @@ def _ggml_type(type_id: int, name: str, path: Path) -> tuple[str, int, int]:
     """(type name, block size, bytes per block) of a tensor's ggml type, via the quant table."""
     from strata.weights import quants
 
-    from strata.weights.repack import FIRST_REPACKED_ID
-
     try:
-        if type_id >= FIRST_REPACKED_ID:  # strata's in-memory layouts are not ggml types
-            raise quants.UnsupportedTypeError(f"unknown ggml type {type_id}")
-        t = quants.ggml_type(type_id)
+        t = quants.file_type(type_id)
     except ValueError as e:  # UnsupportedTypeError names the type
         raise GGUFError(f"{path}: tensor {name!r}: {e}") from None
     return t.name, t.block_size, t.type_size

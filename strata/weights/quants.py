@@ -108,6 +108,13 @@ def ggml_type(type_id: int) -> GGMLType:
     raise UnsupportedTypeError(f"{what} is not supported; strata dequantizes {supported}")
 
 
+def file_type(type_id: int) -> GGMLType:
+    """`ggml_type` for a type id read from a file: strata's in-memory repacked layouts are not file types."""
+    if type_id >= repack.FIRST_REPACKED_ID:
+        raise UnsupportedTypeError(f"unknown ggml type {type_id}")
+    return ggml_type(type_id)
+
+
 def row_bytes(type_id: int, cols: int) -> int:
     """Bytes taken by one row of `cols` weights; `cols` must be a positive whole number of blocks."""
     qtype = ggml_type(type_id)

@@ -37,17 +37,9 @@ def regroup_q8_0(rows: Tensor, k: int) -> Tensor:
                      -1).reshape(*lead, -1)
 
 
-def repacked_type(type_id: int, k: int) -> int | None:
-    """The repacked type id for rows of k weights of ggml type `type_id`, or None when there is none."""
-    if type_id == Q8_0_ID and k % 256 == 0:
-        return Q8_0_R8_ID
-    return None
-
-
 def repack_rows(data: Tensor, type_id: int, k: int) -> tuple[Tensor, int]:
     """(rows, type id) to store: `data` ((..., row_bytes) uint8 of ggml type `type_id`, rows of k weights) in its
     repacked layout when there is one, else unchanged."""
-    to = repacked_type(type_id, k)
-    if to == Q8_0_R8_ID:
-        return regroup_q8_0(data, k), to
+    if type_id == Q8_0_ID and k % 256 == 0:
+        return regroup_q8_0(data, k), Q8_0_R8_ID
     return data, type_id
