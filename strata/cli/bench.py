@@ -29,6 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reference-ops", action="store_true", help="use the reference ops, not the Triton kernels")
     p.add_argument("--layers", type=int, default=None,
                    help="synthetic model with fewer layers (for a quick check; the default is the real 48)")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="launch kernels plainly, without programmatic dependent launch (on by default on "
+                        "Hopper and later GPUs, where each kernel starts while the previous one ends)")
     p.add_argument("--device", default="cuda", help="CUDA device (default: cuda)")
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.set_defaults(run=run)
@@ -48,7 +51,10 @@ def run(args: argparse.Namespace) -> int:
         contexts = [int(c) for c in args.contexts.split(",") if c]
     except ValueError:
         raise StrataError(f"--contexts must be comma-separated integers, got {args.contexts!r}") from None
+    from strata.kernels import pdl
+
     dev = torch.device(args.device)
+    pdl.set_enabled(not args.no_pdl)
     bw = bench.copy_bandwidth(dev)
     print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s", file=sys.stderr)
     mix = TypeMix()
@@ -58,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         cfg = real_config() if args.layers is None else real_config(
             num_hidden_layers=args.layers, layer_types=None)
-        weights = fuse_groups(synthetic_weights(cfg, mix, dev))
+        weights = fuse_groups(synthetic_weights(cfg, mix, dev), repack=True)  # as GPU placement stores them
         mix_text = mix.describe()
     from strata.model.model import Model
 
@@ -67,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     report = {"commit": args.commit or bench.git_commit(), "gpu": torch.cuda.get_device_name(dev),
               "copy_bandwidth_bytes_per_s": bw, "model": args.model or "synthetic (real geometry)",
               "type_mix": mix_text, "layers": weights.cfg.num_hidden_layers,
-              "ops": "reference" if ops is None else "triton", "decode": []}
+              "ops": "reference" if ops is None else "triton", "pdl": ops is not None and pdl.active(dev),
+              "decode": []}
     for ctx in contexts:
         r = bench.bench_decode(model, ctx, args.tokens, args.runs, stage_table=not args.no_stages,
                                profile=args.profile and ctx == contexts[0])

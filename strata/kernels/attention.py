@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from strata.config import ModelConfig
+from strata.kernels import pdl
 from strata.kernels.select import select_blocks
 from strata.model import topk
 from strata.runtime.state import QSAState
@@ -42,7 +43,9 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ok_ptr, out_ptr, m_ptr, l_p
                        HQ, HD, W, CAP, G, SPLIT, NS,
                        s_ql, s_qh, s_kr, s_kh, s_vr, s_vh, s_il, s_ol, s_outl, scale,
                        GP: tl.constexpr, HDP: tl.constexpr, BW: tl.constexpr, SINGLE: tl.constexpr,
-                       IEEE: tl.constexpr, UPCAST: tl.constexpr, DT: tl.constexpr):
+                       IEEE: tl.constexpr, UPCAST: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False):
+    pdl.started(GDC)
+    pdl.wait(GDC)
     l = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -99,7 +102,9 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ok_ptr, out_ptr, m_ptr, l_p
 
 @triton.jit
 def _attn_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, HQ, HD, NS, s_outl,
-                       NSP: tl.constexpr, BS: tl.constexpr, HDP: tl.constexpr, DT: tl.constexpr):
+                       NSP: tl.constexpr, BS: tl.constexpr, HDP: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False):
+    pdl.started(GDC)
+    pdl.wait(GDC)
     l = tl.program_id(0)
     h = tl.program_id(1)
     base = (l * HQ + h) * NS
@@ -167,17 +172,20 @@ def attend(q: torch.Tensor, state: QSAState, idx: torch.Tensor, ok: torch.Tensor
         q.stride(0), q.stride(1), state.k.stride(0), state.k.stride(1), state.v.stride(0), state.v.stride(1),
         idx.stride(0), okb.stride(0), out.stride(0), hd ** -0.5,
         GP=max(16, triton.next_power_of_2(G)), HDP=HDP, BW=block_w, SINGLE=single,
-        IEEE=q.dtype == torch.float32 or not q.is_cuda, UPCAST=not q.is_cuda, DT=TL_DTYPES[q.dtype])
+        IEEE=q.dtype == torch.float32 or not q.is_cuda, UPCAST=not q.is_cuda, DT=TL_DTYPES[q.dtype],
+        **pdl.launch(dev))
     if not single:
         _attn_merge_kernel[(L, hq)](m, lsum, acc, out, hq, hd, ns, out.stride(0),
                                     NSP=triton.next_power_of_2(ns), BS=min(32, triton.next_power_of_2(ns)), HDP=HDP,
-                                    DT=TL_DTYPES[q.dtype])
+                                    DT=TL_DTYPES[q.dtype], **pdl.launch(dev))
     return out
 
 
 @triton.jit
 def _block_scores_kernel(q_ptr, blk_ptr, pos_ptr, out_ptr, NB, DI, C, s_ql, s_qh, s_b, s_ol, inv_sqrt,
-                         HI: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr):
+                         HI: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, GDC: tl.constexpr = False):
+    pdl.started(GDC)
+    pdl.wait(GDC)
     l = tl.program_id(0)
     mb = tl.program_id(1)
     nbq = (tl.load(pos_ptr + l) + 1) // C  # complete blocks this query may see
@@ -208,7 +216,7 @@ def block_scores(q_idx: torch.Tensor, blocks: torch.Tensor, positions: torch.Ten
     _block_scores_kernel[(L, triton.cdiv(nb, block_m))](
         q_idx, blocks, positions, out, nb, di, cfg.indexer_compress_ratio,
         q_idx.stride(0), q_idx.stride(1), blocks.stride(0), out.stride(0), 1.0 / cfg.indexer_head_dim ** 0.5,
-        HI=hi, DP=triton.next_power_of_2(di), BM=block_m)
+        HI=hi, DP=triton.next_power_of_2(di), BM=block_m, **pdl.launch(q_idx.device))
     return out
 
 

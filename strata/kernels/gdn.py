@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from strata.config import ModelConfig
+from strata.kernels import pdl
 from strata.model.gdn import GDNParams
 from strata.runtime.state import GDNState
 
@@ -60,7 +61,9 @@ def _conv_act(x_ptr, win_ptr, w_ptr, ch, cmask, K: tl.constexpr, KP: tl.constexp
 def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr, S_ptr, o_ptr,
                      NK, DK, DV, KEY_DIM, REP, q_scale,
                      K: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     TILED: tl.constexpr, SILU: tl.constexpr, DT: tl.constexpr):
+                     TILED: tl.constexpr, SILU: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False):
+    pdl.started(GDC)
+    pdl.wait(GDC)
     j = tl.program_id(0)  # value head
     vb = tl.program_id(1)  # dv block
     if TILED:
@@ -99,7 +102,9 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
 @triton.jit
 def _gdn_out_kernel(o_ptr, z_ptr, nw_ptr, out_ptr, x_ptr, win_ptr, DV, C, CH_PER, eps,
                     K: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr, SILU_GATE: tl.constexpr,
-                    DT: tl.constexpr):
+                    DT: tl.constexpr, GDC: tl.constexpr = False):
+    pdl.started(GDC)
+    pdl.wait(GDC)
     j = tl.program_id(0)
     d = tl.arange(0, BD)
     dm = d < DV
@@ -153,11 +158,12 @@ def gdn_step(x: torch.Tensor, z: torch.Tensor, b: torch.Tensor, alpha: torch.Ten
         x, b, alpha, convw, state.conv, A, dtb, state.recurrent, o,
         nk, dk, dv, cfg.gdn_key_dim, nv // nk, dk ** -0.5,
         K=K, KP=triton.next_power_of_2(K), BK=triton.next_power_of_2(dk), BV=bv,
-        TILED=prm.value_order == "tiled", SILU=cfg.hidden_act == "silu", DT=TL_DTYPES[dt])
+        TILED=prm.value_order == "tiled", SILU=cfg.hidden_act == "silu", DT=TL_DTYPES[dt],
+        **pdl.launch(x.device))
     out = torch.empty(1, nv * dv, dtype=dt, device=x.device)
     ch_per = triton.cdiv(C, nv)
     _gdn_out_kernel[(nv,)](
         o, z, prm.norm.float().contiguous(), out, x, state.conv, dv, C, ch_per, cfg.rms_norm_eps,
         K=K, BD=triton.next_power_of_2(dv), BC=min(256, triton.next_power_of_2(ch_per)),
-        SILU_GATE=cfg.gdn_gate_act == "silu", DT=TL_DTYPES[dt])
+        SILU_GATE=cfg.gdn_gate_act == "silu", DT=TL_DTYPES[dt], **pdl.launch(x.device))
     return out

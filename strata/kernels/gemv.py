@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from strata.kernels import gemv_blocks as gb
+from strata.kernels import pdl
 from strata.kernels.gemv_tables import device_table
 
 MAX_TOKENS = 8
@@ -187,15 +188,19 @@ def _put(res, a, t: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, RANK: tl
 @triton.jit
 def _tile(xp, xs, rp, tab_ptr, n_chunks,
           DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr,
-          NB: tl.constexpr, ROWS: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr):
+          NB: tl.constexpr, ROWS: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, GDC: tl.constexpr):
     """[ROWS, T_PAD] fp32: res[r, t] = (the row at pointer rp[r]) . (x token t at xp + t*xs), for t < T <= 8.
 
     Each chunk is decoded once into a weight tile and multiplied by each token's x into that token's accumulator,
     a tile of the same shape and layout (so no data moves between threads inside the loop); the tiles are summed
     over their K dimensions once, after the loop. The first chunk initialises the accumulators (their shape is the
     decoder's); the accumulators of tokens past T are compile-time placeholders that generate no code. The rows
-    need not belong to one matrix (the GLU kernel decodes gate and up rows in one tile)."""
+    need not belong to one matrix (the GLU kernel decodes gate and up rows in one tile).
+
+    GDC: the first chunk's weights are loaded before `pdl.wait`, overlapping the end of the previous kernel
+    (weights are never written by a kernel launched with PDL, so no wait is needed for them)."""
     w, xo = DECODE(rp, tab_ptr, ROWS, NB)
+    pdl.wait(GDC)
     a0 = w * _x(xp, xo, xs, 0)
     a1 = 0.0
     a2 = 0.0
@@ -291,20 +296,24 @@ def _gemv_kernel(
     N, n_chunks,
     w_row_stride, w_slot_stride, x_tok_stride, x_slot_stride, out_tok_stride, out_slot_stride,
     DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr, NB: tl.constexpr,
-    BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr,
+    BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr, GDC: tl.constexpr = False,
 ):
     """out[slot, t, rows] = W[slot's matrix][rows] . x[slot, t] for BN rows, T <= 8 tokens.
 
     Program (i, slot): rows i*BN .. i*BN+BN-1 of the matrix of `slot` (expert ids[slot] when HAS_IDS, else the one
     matrix). Rows past N are clamped to N-1 (so no load needs a mask) and not stored. Strides are in elements of
-    the respective pointer (bytes for packed rows)."""
+    the respective pointer (bytes for packed rows). With GDC (PDL) the weights of the first chunk are in flight
+    before the wait, unless the matrix depends on the expert ids (written by the routing kernel)."""
+    pdl.started(GDC)
+    if HAS_IDS:
+        pdl.wait(GDC)
     pid = tl.program_id(0)
     slot = tl.program_id(1).to(tl.int64)
     rows = pid * BN + tl.arange(0, BN)
     rows_c = tl.minimum(rows, N - 1).to(tl.int64)
     rp = w_ptr + _matrix(ids_ptr, slot, HAS_IDS) * w_slot_stride + rows_c * w_row_stride
     res = _tile(x_ptr + slot * x_slot_stride, x_tok_stride, rp, tab_ptr, n_chunks,
-                DECODE, RANK, CHUNK_W, CHUNK_X, NB, BN, T, T_PAD)
+                DECODE, RANK, CHUNK_W, CHUNK_X, NB, BN, T, T_PAD, GDC and not HAS_IDS)
     _store(out_ptr + slot * out_slot_stride, res, rows, N, out_tok_stride, T, T_PAD)
 
 
@@ -323,14 +332,17 @@ def _glu_kernel(
     out_tok_stride, out_slot_stride,
     DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr, NB: tl.constexpr,
     BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr,
-    ACT: tl.constexpr, ALIGN: tl.constexpr,
+    ACT: tl.constexpr, ALIGN: tl.constexpr, GDC: tl.constexpr = False,
 ):
     """out[slot, t, rows] = act(G[rows] . x) * (U[rows] . x), G and U the gate and up matrices of `slot`.
 
     One tile of 2*BN rows: the first BN point into G, the last BN at the same rows of U, so one decode loop
     serves both and x is loaded once. The product is rounded as the model computes it in out's dtype: g and u
     rounded to it, act(g) computed in fp32 and rounded, the product (exact in fp32 for 16-bit inputs) rounded
-    once more at the store; with an fp32 output every rounding is a no-op."""
+    once more at the store; with an fp32 output every rounding is a no-op. GDC: as `_gemv_kernel`."""
+    pdl.started(GDC)
+    if HAS_IDS:
+        pdl.wait(GDC)
     pid = tl.program_id(0)
     slot = tl.program_id(1).to(tl.int64)
     r = tl.arange(0, 2 * BN)
@@ -341,7 +353,7 @@ def _glu_kernel(
     if ALIGN > 1:  # both matrices' rows start ALIGN-aligned (the launcher checked): keep vector loads
         rp = tl.multiple_of(rp, ALIGN)
     res = _tile(x_ptr + slot * x_slot_stride, x_tok_stride, rp, tab_ptr, n_chunks,
-                DECODE, RANK, CHUNK_W, CHUNK_X, NB, 2 * BN, T, T_PAD)
+                DECODE, RANK, CHUNK_W, CHUNK_X, NB, 2 * BN, T, T_PAD, GDC and not HAS_IDS)
     g, u = tl.split(tl.permute(tl.reshape(res, [2, BN, T_PAD]), (1, 2, 0)))
     dt: tl.constexpr = out_ptr.dtype.element_ty
     y = _rounded(_act(_rounded(g, dt), ACT), dt) * _rounded(u, dt)
@@ -490,7 +502,7 @@ def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | N
     n_chunks, dec = _decode_args(t, k)
     bn = _rows(t, n_tok, block_n, n * slots)
     consts = dict(dec, T=n_tok, T_PAD=triton.next_power_of_2(n_tok), HAS_IDS=ids is not None,
-                  num_warps=_warps(t, n_tok, num_warps, n * slots))
+                  num_warps=_warps(t, n_tok, num_warps, n * slots), **pdl.launch(x.device))
     ids = ids if ids is not None else w
     if up is None:
         _gemv_kernel[(triton.cdiv(n, bn), slots)](

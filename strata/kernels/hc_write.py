@@ -11,11 +11,15 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.kernels import pdl
+
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
-def _hc_write_kernel(x_ptr, inj_ptr, y_ptr, out_ptr, N, S, H, BLOCK: tl.constexpr, DT: tl.constexpr):
+def _hc_write_kernel(x_ptr, inj_ptr, y_ptr, out_ptr, N, S, H, BLOCK: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False):
+    pdl.started(GDC)
+    pdl.wait(GDC)
     off = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = off < N
     row = off // (S * H)  # token
@@ -43,5 +47,6 @@ def hc_write(x: torch.Tensor, inject: torch.Tensor, y: torch.Tensor, block: int 
     out = torch.empty_like(x)
     n = L * S * H
     blk = min(block, triton.next_power_of_2(max(n, 1)))
-    _hc_write_kernel[(triton.cdiv(n, blk),)](x, inject, y, out, n, S, H, BLOCK=blk, DT=TL_DTYPES[x.dtype])
+    _hc_write_kernel[(triton.cdiv(n, blk),)](x, inject, y, out, n, S, H, BLOCK=blk, DT=TL_DTYPES[x.dtype],
+                                             **pdl.launch(x.device))
     return out

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.kernels import pdl
 from strata.kernels.attention import sm_count
 from strata.weights.tensor import StoredTensor
 
@@ -51,7 +52,7 @@ STATS_BLOCK = 2048  # x values per statistics load: bounds the registers the inv
 def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, wi_ptr, y_ptr, xo_ptr,
                     H, R, NI, RT, NRBD, eps,
                     S: tl.constexpr, KPS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr,
-                    NHB: tl.constexpr, DT: tl.constexpr, WRITE: tl.constexpr):
+                    NHB: tl.constexpr, DT: tl.constexpr, WRITE: tl.constexpr, GDC: tl.constexpr = False):
     """part[pk, row] = sum over the chunk's k of W[row, k] * GN(x)[k] (fp32) for BR rows; rstd[s] by one
     program per stream. All global loads come first: the compiler does not move loads above the barriers of
     the reductions, so this is what puts the weight tile in flight together with the statistics.
@@ -59,7 +60,9 @@ def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, wi_p
     WRITE: the state read is x' = x + round(wi[s] * y) (the preceding block's write, rounded as
     `hc_write_ref`), formed on the fly from x, y and wi wherever x is read (the chunk and the statistics pass),
     so the write costs no launch; the row-block-0 programs, whose chunks tile x exactly once, store x' to xo
-    for the up kernel (launched after this one) and the caller."""
+    for the up kernel (launched after this one) and the caller. GDC (PDL): the weight tile and norm scales
+    are loaded before the wait for the previous kernel, the state after."""
+    pdl.started(GDC)
     pr = tl.program_id(0)
     pk = tl.program_id(1)
     s = pk // KPS
@@ -78,8 +81,9 @@ def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, wi_p
     k = s * H + c * BK + tl.arange(0, BK)[None, :]  # [1, BK]: the weight tile's layout, no conversion
     km = k < (s + 1) * H
     w = tl.load(wrow[:, None] + k, mask=rm[:, None] & km, other=0.0)
-    xv = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
     nv = tl.load(norm_ptr + k, mask=km, other=0.0)
+    pdl.wait(GDC)
+    xv = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
     if WRITE:
         wis = tl.load(wi_ptr + s).to(tl.float32)
         yv = tl.load(y_ptr + k - s * H, mask=km, other=0.0).to(tl.float32)
@@ -109,19 +113,26 @@ def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, wi_p
 @triton.jit
 def _hc_up_kernel(x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, a_ptr, iota_ptr, H, R, NI, RT,
                   S: tl.constexpr, SP: tl.constexpr, NKC: tl.constexpr, BH: tl.constexpr, RC: tl.constexpr,
-                  NRC: tl.constexpr, NIP: tl.constexpr, DT: tl.constexpr):
+                  NRC: tl.constexpr, NIP: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False):
     """a[i] = mean_s GN(x)[s, i] * sigma((W_up m)[s*H + i]) for BH features i, m = SiLU((sum of the down
     partials) / S); the last program also writes iota = 2 sigma((sum of the inject partials) / S). The loads
     come first for the same reason as in the down kernel; the loop over NRC column chunks has no barrier, so
-    the compiler may issue all chunks' loads together, but that is its choice (NRC = 1 leaves it none)."""
+    the compiler may issue all chunks' loads together, but that is its choice (NRC = 1 leaves it none).
+    GDC (PDL): the norm scales and the first column chunk of W_up are loaded before the wait for the down
+    kernel, everything it wrote after."""
+    pdl.started(GDC)
     pid = tl.program_id(0)
     ni = tl.where(pid == tl.num_programs(0) - 1, NI, 0)  # inject rows this program handles
     sv = tl.arange(0, SP)
     i = pid * BH + tl.arange(0, BH)
     fm = (sv[:, None] < S) & (i[None, :] < H)  # [SP, BH]
     row = sv[:, None] * H + i[None, :]
-    xv = tl.load(x_ptr + row, mask=fm, other=0.0).to(tl.float32)
     nv = tl.load(norm_ptr + row, mask=fm, other=0.0)
+    r0 = tl.arange(0, RC)
+    w0 = tl.load(up_ptr + row[:, :, None] * R + r0[None, None, :], mask=fm[:, :, None] & (r0 < R)[None, None, :],
+                 other=0.0)
+    pdl.wait(GDC)
+    xv = tl.load(x_ptr + row, mask=fm, other=0.0).to(tl.float32)
     rs = tl.load(rstd_ptr + sv, mask=sv < S, other=0.0)
     if NIP > 0:  # loaded (predicated) by every program, used by the last: no dependent load at the end
         n = tl.arange(0, NIP)
@@ -132,8 +143,11 @@ def _hc_up_kernel(x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, a_ptr, iota_ptr, 
     for j in tl.static_range(NRC):
         r = j * RC + tl.arange(0, RC)
         rm = r < R
-        w = tl.load(up_ptr + row[:, :, None] * R + r[None, None, :], mask=fm[:, :, None] & rm[None, None, :],
-                    other=0.0)
+        if j == 0:
+            w = w0
+        else:
+            w = tl.load(up_ptr + row[:, :, None] * R + r[None, None, :], mask=fm[:, :, None] & rm[None, None, :],
+                        other=0.0)
         p = tl.zeros([RC], tl.float32)
         for kc in tl.static_range(NKC):  # fixed order: the same sum in every program and every call
             p += tl.load(part_ptr + kc * RT + r, mask=rm, other=0.0)
@@ -274,11 +288,12 @@ def _launch(x, write, norm, down, up, inject, streams, eps, block_rows, block_h,
     _hc_down_kernel[(nrbd + triton.cdiv(ni, br), nkc)](
         x, norm, wd, wi, part, rstd, inj_prev, y, x_new, H, R, ni, rt, nrbd, eps,
         S=S, KPS=kps, BR=br, BK=bk, HB=hb, NHB=triton.cdiv(H, hb), DT=TL_DTYPES[dt], WRITE=write is not None,
-        num_warps=warps_down or d["warps_down"])
+        num_warps=warps_down or d["warps_down"], **pdl.launch(dev))
     a = torch.empty(1, H, dtype=dt, device=dev)
     iota = torch.empty(1, max(ni, 1), dtype=dt, device=dev)
     _hc_up_kernel[(triton.cdiv(H, bh),)](
         x_new, norm, rstd, wu, part, a, iota, H, R, ni, rt,
         S=S, SP=triton.next_power_of_2(S), NKC=nkc, BH=bh, RC=rc, NRC=triton.cdiv(R, rc),
-        NIP=triton.next_power_of_2(ni) if ni else 0, DT=TL_DTYPES[dt], num_warps=warps_up or d["warps_up"])
+        NIP=triton.next_power_of_2(ni) if ni else 0, DT=TL_DTYPES[dt], num_warps=warps_up or d["warps_up"],
+        **pdl.launch(dev))
     return (x_new if write is not None else None), a, (iota if inject is not None else None)

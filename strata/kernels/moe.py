@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.kernels import pdl
 from strata.kernels.hyper import TL_DTYPES
 
 MAX_L = 8  # tokens per call: decode and short verify batches
@@ -27,7 +28,9 @@ MAX_K = 16
 
 @triton.jit
 def _route_kernel(logits_ptr, idx_ptr, w_ptr, E, K, stride_l,
-                  NORM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
+                  NORM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False):
+    pdl.started(GDC)
+    pdl.wait(GDC)
     row = tl.program_id(0)
     e = tl.arange(0, BE)
     em = e < E
@@ -64,12 +67,14 @@ def route(logits: torch.Tensor, k: int, norm_topk_prob: bool) -> tuple[torch.Ten
     # one warp: the k dependent max-reductions stay in warp shuffles, with no barrier between warps
     _route_kernel[(L,)](logits, top_i, top_w, E, k, logits.stride(0), NORM=bool(norm_topk_prob),
                         BE=triton.next_power_of_2(E), BK=triton.next_power_of_2(k), DT=TL_DTYPES[logits.dtype],
-                        num_warps=1)
+                        num_warps=1, **pdl.launch(logits.device))
     return top_i, top_w
 
 
 @triton.jit
-def _combine_kernel(routed_ptr, gate_ptr, shared_ptr, out_ptr, H, BH: tl.constexpr, DT: tl.constexpr):
+def _combine_kernel(routed_ptr, gate_ptr, shared_ptr, out_ptr, H, BH: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False):
+    pdl.started(GDC)
+    pdl.wait(GDC)
     row = tl.program_id(0)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     hm = h < H
@@ -94,12 +99,14 @@ def moe_combine(routed: torch.Tensor, gate_logit: torch.Tensor, shared: torch.Te
     L, H = routed.shape
     out = torch.empty_like(routed)
     _combine_kernel[(L, triton.cdiv(H, bh))](routed, gate_logit, shared, out, H, BH=bh,
-                                             DT=TL_DTYPES[routed.dtype])
+                                             DT=TL_DTYPES[routed.dtype], **pdl.launch(routed.device))
     return out
 
 
 @triton.jit
-def _slot_sum_kernel(y_ptr, w_ptr, out_ptr, N, K, BN: tl.constexpr, DT: tl.constexpr):
+def _slot_sum_kernel(y_ptr, w_ptr, out_ptr, N, K, BN: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False):
+    pdl.started(GDC)
+    pdl.wait(GDC)
     tok = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < N
@@ -121,5 +128,6 @@ def slot_sum(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, bn: int
         raise ValueError(f"y: expected contiguous float32 ({T * k}, N), got {y.dtype} {tuple(y.shape)}")
     w = weights.contiguous()
     out = torch.empty(T, N, dtype=dtype, device=y.device)
-    _slot_sum_kernel[(T, triton.cdiv(N, bn))](y, w, out, N, k, BN=bn, DT=TL_DTYPES[dtype])
+    _slot_sum_kernel[(T, triton.cdiv(N, bn))](y, w, out, N, k, BN=bn, DT=TL_DTYPES[dtype],
+                                             **pdl.launch(y.device))
     return out

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.kernels import pdl
+
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -32,7 +34,9 @@ def _round(v, DT: tl.constexpr):
 
 @triton.jit
 def _norm_rope_kernel(x_ptr, scale_ptr, cos_ptr, sin_ptr, out_ptr, HEADS, sxl, sxh, scl, ssl, eps,
-                      D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr):
+                      D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False):
+    pdl.started(GDC)
+    pdl.wait(GDC)
     row = tl.program_id(0)
     l = row // HEADS
     h = row % HEADS
@@ -76,5 +80,5 @@ def norm_rope(x: torch.Tensor, scale: torch.Tensor, cos: torch.Tensor, sin: torc
         sin = sin.contiguous()
     _norm_rope_kernel[(L * heads,)](x, scale, cos, sin, out, heads, x.stride(0), x.stride(1), cos.stride(0),
                                     sin.stride(0), eps, D=d, R=r, BD=triton.next_power_of_2(d),
-                                    DT=TL_DTYPES[x.dtype])
+                                    DT=TL_DTYPES[x.dtype], **pdl.launch(x.device))
     return out

@@ -24,13 +24,16 @@ import triton
 import triton.language as tl
 
 from strata.config import ModelConfig
+from strata.kernels import pdl
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
 def _ple_gate_kernel(x_ptr, k_ptr, v_ptr, nk_ptr, nq_ptr, nc_ptr, g_ptr, gn_ptr, H, sqrt_h, eps, smin,
-                     BH: tl.constexpr, DT: tl.constexpr):
+                     BH: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False):
+    pdl.started(GDC)
+    pdl.wait(GDC)
     s = tl.program_id(0)
     h = tl.arange(0, BH)
     m = h < H
@@ -57,7 +60,9 @@ def _ple_gate_kernel(x_ptr, k_ptr, v_ptr, nk_ptr, nq_ptr, nc_ptr, g_ptr, gn_ptr,
 
 @triton.jit
 def _ple_conv_kernel(g_ptr, gn_ptr, w_ptr, win_ptr, out_ptr, C, KP: tl.constexpr, NG: tl.constexpr,
-                     BC: tl.constexpr, DT: tl.constexpr):
+                     BC: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False):
+    pdl.started(GDC)
+    pdl.wait(GDC)
     W: tl.constexpr = (KP - 1) * NG
     ch = tl.program_id(0) * BC + tl.arange(0, BC)
     m = ch < C
@@ -104,9 +109,10 @@ def ple_mix(x: torch.Tensor, key: torch.Tensor, value: torch.Tensor, norm_key: t
     smin = float(torch.tensor(1e-6, dtype=dt))  # clamp_min's bound, as the reference rounds it
     scratch = torch.empty(2, C, dtype=dt, device=x.device)  # G, G-hat
     _ple_gate_kernel[(S,)](x, key, value, nk, nq, nc, scratch[0], scratch[1], H, math.sqrt(H), eps, smin,
-                           BH=triton.next_power_of_2(H), DT=TL_DTYPES[dt])
+                           BH=triton.next_power_of_2(H), DT=TL_DTYPES[dt], **pdl.launch(x.device))
     out = torch.empty(1, C, dtype=dt, device=x.device)
     bc = min(block_c, triton.next_power_of_2(C))
     _ple_conv_kernel[(triton.cdiv(C, bc),)](scratch[0], scratch[1], conv_w, window, out, C,
-                                             KP=conv_w.shape[1], NG=cfg.ngram_size, BC=bc, DT=TL_DTYPES[dt])
+                                             KP=conv_w.shape[1], NG=cfg.ngram_size, BC=bc, DT=TL_DTYPES[dt],
+                                             **pdl.launch(x.device))
     return out

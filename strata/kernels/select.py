@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.kernels import pdl
+
 DIGIT_BITS = 4
 """Key bits per radix pass: 8 passes of 16 bins cover the 32-bit key. Each pass counts the 16 bins by comparison
 (~1 warp-instruction per key); `tl.histogram` (2048 bins, 3 passes) measured 545 us per query at 32,768
@@ -86,7 +88,9 @@ def _radix_pass(row, NB, need, pre, hmask, offs, bins, SHIFT: tl.constexpr,
 @triton.jit
 def _select_kernel(s_ptr, pos_ptr, idx_ptr, ok_ptr, NB, K, s_sl, s_il, s_ol,
                    C: tl.constexpr, CP: tl.constexpr, TP: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr,
-                   NBINS: tl.constexpr, DIGIT: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr):
+                   NBINS: tl.constexpr, DIGIT: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr, GDC: tl.constexpr = False):
+    pdl.started(GDC)
+    pdl.wait(GDC)
     l = tl.program_id(0)
     row = s_ptr + l.to(tl.int64) * s_sl
     out_i = idx_ptr + l.to(tl.int64) * s_il
@@ -198,5 +202,5 @@ def select_blocks(scores: torch.Tensor, positions: torch.Tensor, k: int, c: int,
                          C=c, CP=triton.next_power_of_2(c), TP=triton.next_power_of_2(c - 1) if c > 1 else 0,
                          BLOCK=block, BK=min(1024, max(16, triton.next_power_of_2(k))), NBINS=BINS,
                          DIGIT=DIGIT_BITS, G=8,
-                         EVEN=nb % block == 0, num_warps=num_warps)
+                         EVEN=nb % block == 0, num_warps=num_warps, **pdl.launch(scores.device))
     return idx, ok

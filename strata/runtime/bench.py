@@ -262,7 +262,7 @@ def write_report(report: dict, path: str | Path) -> None:
 def format_table(report: dict) -> str:
     """A short text table of a report: one line per context, then the per-stage table of the first."""
     lines = [f"{report['gpu']} | copy {report['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s | {report['model']} "
-             f"| ops {report['ops']}", f"type mix: {report['type_mix']}",
+             f"| ops {report['ops']}{' + PDL' if report.get('pdl') else ''}", f"type mix: {report['type_mix']}",
              f"{'context':>8} {'ms/tok':>8} {'tok/s':>8} {'wall ms':>8} {'MB/tok':>8} {'floor ms':>9} {'floor%':>7}"]
     for r in report["decode"]:
         lines.append(f"{r['context']:>8} {r['ms_per_token']:>8.3f} {r['tok_per_s']:>8.1f} "

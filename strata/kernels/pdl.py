@@ -1,0 +1,89 @@
+"""Programmatic dependent launch (PDL, Hopper and later): a decode kernel starts while the one before it ends.
+
+A decode step is ~1,100 short kernels in a row. Launched plainly, each waits for the previous one to finish
+before its programs are even scheduled, then pays its ramp-up and a first DRAM round trip before any useful
+work. With PDL a kernel's programs are scheduled as soon as every program of the previous kernel has signalled
+(`started`), they issue the loads of bytes no kernel writes (stored weights), and `wait` for the previous
+kernel to complete and flush its memory before touching anything a kernel writes. The previous kernel in turn
+waited for its own predecessor, so after `wait` every earlier kernel of the stream is complete.
+
+The rule every kernel here follows:
+
+    started(GDC)                 # first: lets the next kernel be scheduled
+    ... loads of stored weights only (when the launcher vouches for them: `PREFETCH`) ...
+    wait(GDC)                    # before any other load and before every store
+    ... the rest ...
+
+With GDC False (the CPU, the Triton interpreter, GPUs before Hopper, or PDL switched off) both calls compile to
+nothing and the launch is a plain one; a kernel launched plainly may still run them (they are then no-ops).
+Capturing a step into a CUDA graph keeps the programmatic edges, so the replay overlaps kernels the same way.
+
+`launch(device)` gives the keyword arguments that switch it on for one launch; `enabled(False)` switches it off
+for the process (`strata bench --no-pdl` measures the difference).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # Triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton: PDL stays off
+    gdc_launch_dependents = gdc_wait = None
+
+_switch = {"on": True}
+_capable: dict[int, bool] = {}
+
+
+@triton.jit
+def started(GDC: tl.constexpr):
+    """Let the next kernel in the stream be scheduled once every program of this one has got here."""
+    if GDC:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def wait(GDC: tl.constexpr):
+    """Block until the previous kernel in the stream has completed and its writes are visible."""
+    if GDC:
+        gdc_wait()
+
+
+def _device_capable(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _capable:
+        _capable[index] = gdc_wait is not None and torch.cuda.get_device_capability(index)[0] >= 9
+    return _capable[index]
+
+
+def active(device: torch.device) -> bool:
+    """Whether launches on `device` use PDL: a CUDA device of compute capability >= 9 running compiled Triton,
+    unless switched off."""
+    return _switch["on"] and device.type == "cuda" and _device_capable(device)
+
+
+def launch(device: torch.device) -> dict:
+    """Keyword arguments for a kernel launch on `device`: the kernel's `GDC` flag and Triton's `launch_pdl`
+    option when PDL is active, else none (the kernel's `GDC` defaults to False)."""
+    return {"GDC": True, "launch_pdl": True} if active(device) else {}
+
+
+def set_enabled(on: bool) -> None:
+    """Switch PDL on (the default where the device supports it) or off for this process."""
+    _switch["on"] = bool(on)
+
+
+@contextlib.contextmanager
+def enabled(on: bool) -> Iterator[None]:
+    """PDL switched on or off inside the block (kernels compiled either way stay cached)."""
+    before = _switch["on"]
+    _switch["on"] = bool(on)
+    try:
+        yield
+    finally:
+        _switch["on"] = before
