@@ -30,18 +30,19 @@ from triton.runtime.interpreter import InterpretedFunction
 import strata.kernels.gemv as _gemv
 import strata.kernels.gemv_blocks as _blocks
 import strata.kernels.ops as _kops
+import strata.kernels.pdl as _pdl
 from strata.kernels import gemv_tables
 from strata.model.experts import experts_ref
 from strata.model.ops import Ops, linear_ref, linears_ref, mlp_ref
 from strata.runtime import placement
 from strata.weights import quants
 from strata.weights.quant_tensor import QuantTensor
-from strata.weights.tensor import DenseTensor
+from strata.weights.tensor import DenseTensor, RowConcatTensor
 
 # A module that imported the kernels before this one did (with the interpreter off) holds compiled-mode functions
 # that cannot run here: rebuild them in interpreter mode.
 if not isinstance(_blocks.decode_q8_0, InterpretedFunction):
-    for _m in (_blocks, _gemv, _kops):
+    for _m in (_pdl, _blocks, _gemv, _kops):
         importlib.reload(_m)
 G = _gemv
 K_OPS = _kops
@@ -227,6 +228,48 @@ def test_experts_blocks_matches_reference() -> None:
     y1 = K_OPS.experts_blocks(a[:1], top_i[:1], top_w[:1], *raws)  # decode: one token, x shared by its slots
     assert torch.allclose(y1, ref[:1], rtol=1e-4, atol=1e-5 * ref.abs().max().item())
     assert torch.equal(K_OPS.experts_triton(a, top_i, top_w, gate, up, down, linear_ref), ref)
+
+
+@pytest.mark.parametrize("name", ["IQ4_NL", "Q8_0", "Q5_1", "Q4_K", "Q6_K", "IQ4_XS", "Q8_0_R8"])
+def test_dequantize_rows_matches_the_reference_decoder(name: str) -> None:
+    """5 stored rows (three programs of 2, the last partial) decoded to fp32 equal quants.dequantize to fp32
+    rounding (the decoders form d*sc first), and to bf16 they round to the same value but where the two fp32
+    values straddle a bf16 rounding boundary."""
+    rng = np.random.default_rng(zlib_seed(name) + 7)
+    k = k_for(name)
+    raw = random_blocks(name, 5, k, rng)
+    ref = dequant_ref(name, raw, k).float()
+    got = G.dequantize_rows(raw, name, k)
+    assert got.dtype == torch.float32 and got.shape == (5, k)
+    assert torch.allclose(got, ref, rtol=2e-7, atol=0), (got - ref).abs().max()
+    got16 = G.dequantize_rows(raw, name, k, torch.bfloat16)
+    assert got16.dtype == torch.bfloat16
+    assert (got16 != ref.to(torch.bfloat16)).float().mean() < 1e-3
+
+
+def test_dequantize_rows_of_dense_types() -> None:
+    w = torch.randn(3, 320, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    assert torch.equal(G.dequantize_rows(w, "BF16", 320), w.float())
+    assert torch.equal(G.dequantize_rows(w.view(torch.uint8), "BF16", 320, torch.bfloat16), w)
+
+
+def test_decode_rows_of_stored_rows_equals_rows(monkeypatch) -> None:
+    """The PLE lookup split in two (`stored_rows` on the host, `decode_rows` on the device: the Triton entry) gives
+    what `rows` gives, for a quantized table, a sharded one and a dense one."""
+    rng = np.random.default_rng(13)
+    table = QuantTensor("t", random_blocks("IQ4_NL", 40, 64, rng), 20, (40, 64))
+    shards = RowConcatTensor("s", [QuantTensor(f"s{i}", random_blocks("IQ4_NL", 20, 64, rng), 20, (20, 64))
+                                   for i in range(2)])
+    dense = DenseTensor("d", torch.randn(40, 64, generator=torch.Generator().manual_seed(5)))
+    index = torch.tensor([[3, 39, 3], [20, 0, 19]])
+    monkeypatch.setattr(K_OPS, "_on_gpu", lambda x: True)
+    for t in (table, shards, dense):
+        stored = t.stored_rows(index)
+        assert stored.shape[:2] == (2, 3)
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(K_OPS.decode_rows_triton(stored, t, dtype), t.rows(index, dtype)), (t, dtype)
+    with pytest.raises(ValueError, match="out of range"):
+        table.stored_rows(torch.tensor([40]))
 
 
 def test_triton_ops_replaces_only_its_entries() -> None:

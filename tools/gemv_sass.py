@@ -61,7 +61,7 @@ def compile_kernel(t: G.GemvType, n: int, k: int, bn: int | None = None, nw: int
                     x_slot_stride=0, out_tok_stride=n, out_slot_stride=0)
         ptrs = dict(x_ptr=f"*{x_dtype}", w_ptr=w_ty, ids_ptr=w_ty, tab_ptr="*fp32" if t.table else w_ty,
                     out_ptr="*fp32")
-        consts = dict(dec, BN=rows, T=1, T_PAD=1, HAS_IDS=False)
+        consts = dict(dec, BN=rows, T=1, T_PAD=1, HAS_IDS=False, GDC=False)
         tile_rows = rows
     elif kernel == "glu":
         fn = G._glu_kernel
@@ -70,7 +70,8 @@ def compile_kernel(t: G.GemvType, n: int, k: int, bn: int | None = None, nw: int
                     u_slot_stride=0, x_tok_stride=k, x_slot_stride=0, out_tok_stride=n, out_slot_stride=0)
         ptrs = dict(x_ptr=f"*{x_dtype}", g_ptr=w_ty, u_ptr=w_ty, ids_ptr=w_ty, tab_ptr="*fp32" if t.table else w_ty,
                     out_ptr="*fp32")
-        consts = dict(dec, BN=rows, T=1, T_PAD=1, HAS_IDS=False, ACT="silu", ALIGN=16 if rb % 16 == 0 else 1)
+        consts = dict(dec, BN=rows, T=1, T_PAD=1, HAS_IDS=False, ACT="silu", ALIGN=16 if rb % 16 == 0 else 1,
+                      GDC=False)
         tile_rows = 2 * rows
     else:
         raise ValueError(kernel)

@@ -32,6 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-pdl", action="store_true",
                    help="launch kernels plainly, without programmatic dependent launch (on by default on "
                         "Hopper and later GPUs, where each kernel starts while the previous one ends)")
+    p.add_argument("--one-stream", action="store_true",
+                   help="run a layer's independent branches (routed and shared experts) one after the other on "
+                        "one CUDA stream instead of side by side")
     p.add_argument("--device", default="cuda", help="CUDA device (default: cuda)")
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.set_defaults(run=run)
@@ -68,12 +71,13 @@ def run(args: argparse.Namespace) -> int:
         mix_text = mix.describe()
     from strata.model.model import Model
 
-    ops = None if args.reference_ops else fast_ops()
+    ops = None if args.reference_ops else fast_ops(streams=not args.one_stream)
     model = Model(weights, torch.bfloat16, dev, ops)
     report = {"commit": args.commit or bench.git_commit(), "gpu": torch.cuda.get_device_name(dev),
               "copy_bandwidth_bytes_per_s": bw, "model": args.model or "synthetic (real geometry)",
               "type_mix": mix_text, "layers": weights.cfg.num_hidden_layers,
               "ops": "reference" if ops is None else "triton", "pdl": ops is not None and pdl.active(dev),
+              "branch_streams": ops is not None and not args.one_stream,
               "decode": []}
     for ctx in contexts:
         r = bench.bench_decode(model, ctx, args.tokens, args.runs, stage_table=not args.no_stages,

@@ -360,6 +360,61 @@ def _glu_kernel(
     _store(out_ptr + slot * out_slot_stride, y, pid * BN + tl.arange(0, BN), N, out_tok_stride, T, T_PAD)
 
 
+@triton.jit
+def _trailing(v, RANK: tl.constexpr):
+    """[BN] v as [BN, 1, ...] of rank RANK, to broadcast against a decoded tile."""
+    if RANK == 2:
+        return v[:, None]
+    elif RANK == 3:
+        return v[:, None, None]
+    elif RANK == 4:
+        return v[:, None, None, None]
+    elif RANK == 5:
+        return v[:, None, None, None, None]
+    else:
+        return v[:, None, None, None, None, None]
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, tab_ptr, out_ptr, R, w_row_stride, out_row_stride,
+                    DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr,
+                    NB: tl.constexpr, BN: tl.constexpr, GDC: tl.constexpr = False):
+    """out[rows, chunk c] = the decoded chunk c of BN stored rows (program (i, c)), rounded once to out's dtype.
+    The same decoders as the GEMV, so a row decodes to the values the GEMV multiplies."""
+    pdl.started(GDC)
+    pdl.wait(GDC)
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    c = tl.program_id(1)
+    rows_c = tl.minimum(rows, R - 1).to(tl.int64)
+    w, xo = DECODE(w_ptr + rows_c * w_row_stride + c * CHUNK_W, tab_ptr, BN, NB)
+    dt: tl.constexpr = out_ptr.dtype.element_ty
+    if dt == tl.bfloat16:
+        v = (_rounded(w, dt).to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        v = w.to(dt)
+    off = _trailing(rows_c * out_row_stride, RANK) + c * CHUNK_X + xo[None]
+    tl.store(out_ptr + off, v, mask=_trailing(rows < R, RANK))
+
+
+def dequantize_rows(w_data: torch.Tensor, type_id: int | str, K: int, out_dtype: torch.dtype = torch.float32,
+                    out: torch.Tensor | None = None, block_n: int = 2) -> torch.Tensor:
+    """Rows (R, row_bytes) of a stored type decoded to (R, K) of `out_dtype` (fp32 values rounded once), in one
+    launch with the GEMV's decoders: the device half of a table lookup whose rows the host gathered as stored
+    (the PLE rows of a decode step). Dense rows are converted."""
+    t = gemv_type(type_id)
+    w = _weights(t, w_data, K, 2)
+    n = w.shape[0]
+    out = _out(out, (n, K), w.device, out_dtype)
+    if n == 0:
+        return out
+    n_chunks, dec = _decode_args(t, K)
+    dec.pop("RANK")
+    _dequant_kernel[(triton.cdiv(n, block_n), n_chunks)](
+        w, _table(t, w), out, n, w.stride(0), out.stride(0), RANK=t.rank, BN=block_n, **dec,
+        **pdl.launch(w.device))
+    return out
+
+
 def _chunk_blocks(t: GemvType, k: int) -> int:
     """Blocks per loop step: the largest power of two <= max_chunk_blocks dividing the row's block count."""
     n_blocks = k // t.block_elems

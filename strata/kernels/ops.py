@@ -9,6 +9,7 @@
   dequantizing once on the device) beats reading the weights once per 8 rows.
 * `linears_triton(x, ws, biases, linear)`: weights stored back to back (`placement.fuse_rows`) as one GEMV.
 * `mlp_triton(x, gate, up, down, linear)`: gate/up/SiLU as one GEMV launch, then down.
+* `decode_rows_triton(stored, table, dtype)`: table rows the host gathered as stored, decoded on the device.
 * `experts_triton(a, top_i, top_w, gate, up, down, linear)`: the routed experts of a MoE layer in three launches
   (gate/up/SiLU over all L*k selected slots; down over the slots; the weighted sum over each token's slots) with
   the expert ids never leaving the device, so a decode step can be captured in a CUDA graph. Other inputs go to the
@@ -26,10 +27,12 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from strata.kernels.gemv import GEMV_TYPE_NAMES, MAX_TOKENS, OUT_DTYPES, gemv, gemv_experts, gemv_experts_glu, gemv_glu
+from strata.kernels.gemv import (GEMV_TYPE_NAMES, MAX_TOKENS, OUT_DTYPES, dequantize_rows, gemv, gemv_experts,
+                                 gemv_experts_glu, gemv_glu)
 from strata.kernels.moe import slot_sum
 from strata.model.experts import experts_gather, experts_ref
 from strata.model.ops import Ops, linear_ref, linears_ref, mlp_ref
+from strata.model.ple import decode_rows_ref
 from strata.weights.tensor import DenseTensor, StoredTensor, raw_rows
 
 GEMV_MAX_ROWS = 32
@@ -194,8 +197,19 @@ def experts_triton(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, ga
     return experts_ref(a, top_i, top_w, gate, up, down, linear)
 
 
+def decode_rows_triton(stored: torch.Tensor, table: StoredTensor, dtype: torch.dtype) -> torch.Tensor:
+    """`Ops.decode_rows`: stored quantized rows on a CUDA device decoded in one launch by the GEMV's decoders
+    (`dequantize_rows`); anything else (dense rows, other devices) by the reference."""
+    if (_on_gpu(stored) and stored.dtype == torch.uint8 and table.kind in GEMV_TYPE_NAMES
+            and dtype in OUT_DTYPES and stored.shape[-1] > 0):
+        cols = table.shape[-1]
+        y = dequantize_rows(stored.reshape(-1, stored.shape[-1]), table.kind, cols, dtype)
+        return y.reshape(*stored.shape[:-1], cols)
+    return decode_rows_ref(stored, table, dtype)
+
+
 def triton_ops(base: Ops | None = None) -> Ops:
-    """`base` (default `Ops()`) with `linear`, `linears`, `mlp` and `experts` run by the Triton GEMV; other
-    entries unchanged."""
+    """`base` (default `Ops()`) with `linear`, `linears`, `mlp`, `experts` and `decode_rows` run by the Triton
+    GEMV kernels; other entries unchanged."""
     return dataclasses.replace(base or Ops(), linear=linear_triton, linears=linears_triton, mlp=mlp_triton,
-                               experts=experts_triton)
+                               experts=experts_triton, decode_rows=decode_rows_triton)

@@ -16,7 +16,7 @@ from strata.model.gdn import gdn_layer
 from strata.model.hyper import hc_read, hc_write_read
 from strata.model.moe import moe_layer
 from strata.model.ops import Ops
-from strata.model.ple import ple_embedding, ple_layer
+from strata.model.ple import ple_layer, ple_rows
 from strata.model.qsa import Rope, qsa_layer
 from strata.runtime.state import SequenceState
 from strata.weights.schema import Weights
@@ -25,12 +25,12 @@ from strata.weights.schema import Weights
 @dataclass
 class StepInputs:
     """What one call feeds the device: ids and positions (device), the number of key positions any query may
-    see, and the gathered PLE embeddings per PLE layer."""
+    see, and the PLE table rows gathered per PLE layer, as stored (decoded on the device)."""
 
     ids: torch.Tensor  # (L,) int64
     positions: torch.Tensor  # (L,) int64
     n_keys: int
-    ple: dict[int, torch.Tensor]  # layer -> (L, ple_dim)
+    ple: dict[int, torch.Tensor]  # layer -> (L, ngram_heads, stored row width)
 
 
 class Model:
@@ -52,7 +52,7 @@ class Model:
         to the model's device unless `to_device` is False (a caller staging them into its own buffers)."""
         L = ids.shape[0]
         positions = torch.arange(state.length, state.length + L)
-        ple = {i: ple_embedding(ids, self.w, i, self.cfg, s, self.ops, self.dtype) for i, s in state.ple.items()}
+        ple = {i: ple_rows(ids, self.w, i, self.cfg, s) for i, s in state.ple.items()}
         state.length += L
         state.tokens.extend(ids.tolist())
         if to_device:

@@ -31,10 +31,18 @@ def moe_combine_ref(routed: torch.Tensor, gate_logit: torch.Tensor, shared: torc
 
 def moe_layer(a: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, ops: Ops) -> torch.Tensor:
     """Routed experts + sigmoid-gated shared expert, (L, H) -> (L, H). The router and the shared expert's gate
-    read the same input, so they go through one `linears` call."""
+    read the same input, so they go through one `linears` call; the routed and the shared experts are
+    independent `branches`."""
     p = f"L{layer}.moe."
-    logits, gate_logit = ops.linears(a, [w[p + "router"], w[p + "sh_gate_inp"]], [None, None], ops.linear)
-    top_i, top_w = ops.route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-    routed = ops.experts(a, top_i, top_w, w[p + "gate_exps"], w[p + "up_exps"], w[p + "down_exps"], ops.linear)
-    shared = ops.mlp(a, w[p + "sh_gate"], w[p + "sh_up"], w[p + "sh_down"], ops.linear)
-    return ops.moe_combine(routed, gate_logit, shared)
+
+    def routed() -> tuple[torch.Tensor, torch.Tensor]:
+        logits, gate_logit = ops.linears(a, [w[p + "router"], w[p + "sh_gate_inp"]], [None, None], ops.linear)
+        top_i, top_w = ops.route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        y = ops.experts(a, top_i, top_w, w[p + "gate_exps"], w[p + "up_exps"], w[p + "down_exps"], ops.linear)
+        return y, gate_logit
+
+    def shared() -> torch.Tensor:
+        return ops.mlp(a, w[p + "sh_gate"], w[p + "sh_up"], w[p + "sh_down"], ops.linear)
+
+    (routed_y, gate_logit), shared_y = ops.branches(a, [routed, shared])
+    return ops.moe_combine(routed_y, gate_logit, shared_y)

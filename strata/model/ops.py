@@ -18,7 +18,7 @@ from strata.model.experts import experts_ref
 from strata.model.gdn import gdn_core_ref
 from strata.model.hyper import hc_read_ref, hc_write_read_ref, hc_write_ref
 from strata.model.moe import moe_combine_ref, route_ref
-from strata.model.ple import ple_mix_ref
+from strata.model.ple import decode_rows_ref, ple_mix_ref
 from strata.model.qsa import norm_rope_ref, select_tokens
 from strata.weights.tensor import StoredTensor
 
@@ -42,6 +42,11 @@ def mlp_ref(x: torch.Tensor, gate: StoredTensor, up: StoredTensor, down: StoredT
     return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
+def branches_ref(x: torch.Tensor, fns: Sequence[Callable[[], object]]) -> list[object]:
+    """Independent computations of one layer, one after the other (a backend may run them side by side)."""
+    return [f() for f in fns]
+
+
 def embed_ref(ids: torch.Tensor, table: StoredTensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows of an embedding table."""
     return table.rows(ids, dtype)
@@ -55,6 +60,7 @@ class Ops:
     linears: Callable = linears_ref  # (x, [w...], [bias|None...], linear) -> [y...]
     mlp: Callable = mlp_ref  # (x, gate, up, down, linear) -> (L, H)
     embed: Callable = embed_ref
+    decode_rows: Callable = decode_rows_ref  # (stored rows (..., width), table, dtype) -> (..., cols)
     attend: Callable = attend_ref  # (q, qsa_state, idx, ok, cfg) -> (L, Hq*hd)
     experts: Callable = experts_ref  # (a, top_i, top_w, gate, up, down, linear) -> (L, H)
     gdn_core: Callable = gdn_core_ref  # (x, z, b, alpha, GDNParams, GDNState, cfg) -> (L, nv*dv)
@@ -68,3 +74,6 @@ class Ops:
     # hc_write then hc_read: (x, inject_prev (L, S), y (L, H), norm, down, up, inject|None, S, eps, linear)
     # -> (x' (L, S*H), a, inject weights|None)
     hc_write_read: Callable = hc_write_read_ref
+    # independent computations of one layer: (x, [fn, ...]) -> [fn() for each]; a backend may run them side by
+    # side (x gives the device)
+    branches: Callable = branches_ref

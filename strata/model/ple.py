@@ -1,7 +1,9 @@
 """PLE: the hashed n-gram embedding added to the hyper-connection state at some GDN layers (spec 7).
 
 The hash is host work on int64 ids; only the gathered table rows are read (the real table is tens of GB and
-lives in a memory-mapped file)."""
+lives in a memory-mapped file). The host gathers the rows as they are stored (bytes of quantized blocks) and
+the device decodes them where they are used (`Ops.decode_rows`), so a decode step's host work is a hash and a
+copy of ~1.5 KB."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from strata.model.gdn import causal_conv
 from strata.model.norms import grouped_rms_norm
 from strata.runtime.state import PLEState
 from strata.weights.schema import Weights
+from strata.weights.tensor import StoredTensor
 
 if TYPE_CHECKING:
     from strata.model.ops import Ops
@@ -78,13 +81,17 @@ def ngram_rows(ids: torch.Tensor, context: torch.Tensor, geo: PLEGeometry, cfg: 
     return torch.cat(blocks, dim=-1)[n - 1:]
 
 
-def ple_embedding(ids: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, state: PLEState, ops: Ops,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """Host work: hash the n-grams ending at each id, gather the table rows, advance the n-gram context.
-    Returns the concatenated embedding (L, ple_dim) on the host."""
+def ple_rows(ids: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, state: PLEState) -> torch.Tensor:
+    """Host work: hash the n-grams ending at each id, gather the table rows as stored, advance the n-gram
+    context. Returns (L, ngram_heads, stored row width) on the table's device (the host)."""
     rows = ngram_rows(ids, state.context, cfg.ple[layer], cfg)
     state.context = torch.cat([state.context, ids.to(torch.int64).cpu()])[-(cfg.ngram_size - 1):]
-    return ops.embed(rows, w[f"L{layer}.ple.table"], dtype).flatten(-2)
+    return w[f"L{layer}.ple.table"].stored_rows(rows)
+
+
+def decode_rows_ref(stored: torch.Tensor, table: StoredTensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows gathered by `StoredTensor.stored_rows`, decoded in `dtype` on their device."""
+    return table.decode_rows(stored, dtype)
 
 
 def ple_mix_ref(x: torch.Tensor, key: torch.Tensor, value: torch.Tensor, norm_key: torch.Tensor,
@@ -105,11 +112,13 @@ def ple_mix_ref(x: torch.Tensor, key: torch.Tensor, value: torch.Tensor, norm_ke
     return gated + F.silu(conv)
 
 
-def ple_layer(x: torch.Tensor, e: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, state: PLEState,
+def ple_layer(x: torch.Tensor, stored: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, state: PLEState,
               ops: Ops) -> torch.Tensor:
-    """The PLE contribution (L, S*H) to add to the state x, from the gathered embedding e; updates `state`."""
+    """The PLE contribution (L, S*H) to add to the state x, from the table rows `ple_rows` gathered (on x's
+    device); updates `state`."""
     p = f"L{layer}.ple."
     dev = x.device
+    e = ops.decode_rows(stored, w[p + "table"], x.dtype).flatten(-2)
     scale = lambda name: w[p + name].dense(torch.float32, dev)
     return ops.ple_mix(x, ops.linear(e, w[p + "key"]), ops.linear(e, w[p + "value"]), scale("norm_key"),
                        scale("norm_query"), scale("norm_conv"), w[p + "conv"].dense(x.dtype, dev), state.conv, cfg)

@@ -23,7 +23,7 @@ import torch
 
 from strata.config import ModelConfig
 from strata.model.model import Model
-from strata.model.ops import Ops
+from strata.model.ops import Ops, branches_ref
 from strata.runtime.graph import DecodeStep
 from strata.weights.inventory import inventory, role_of
 from strata.weights.schema import Weights
@@ -90,7 +90,7 @@ class StageTimes:
 
 _OP_STAGES = {"mlp": "shared", "attend": "qsa.attend", "select_tokens": "qsa.select", "gdn_core": "gdn.core", "hc_read": "hc",
               "route": "router", "moe_combine": "shared", "norm_rope": "qsa.norm_rope", "hc_write": "hc",
-              "ple_mix": "ple", "hc_write_read": "hc"}
+              "ple_mix": "ple", "hc_write_read": "hc", "decode_rows": "ple"}
 
 
 def _stage_of_linear(name: str) -> str:
@@ -144,7 +144,9 @@ def timed_ops(base: Ops, cfg: ModelConfig, times: StageTimes, replays: int = 20)
     entries = {}
     for f in dataclasses.fields(base):
         fn = getattr(base, f.name)
-        if f.name == "linear":
+        if f.name == "branches":  # one after the other, so the ops inside are timed each on its own
+            entries[f.name] = branches_ref
+        elif f.name == "linear":
             entries[f.name] = wrap(fn, lambda args: _stage_of_linear(args[1].name))
         elif f.name == "linears":
             entries[f.name] = wrap(fn, lambda args: _stage_of_linear(args[1][0].name))

@@ -57,7 +57,7 @@ class DecodeStep:
             ids=torch.zeros(1, dtype=torch.int64, device=dev),
             positions=torch.zeros(1, dtype=torch.int64, device=dev),
             n_keys=capacity,
-            ple={i: torch.zeros(1, cfg.ple_dim, dtype=model.dtype, device=dev) for i in cfg.ple},
+            ple={i: torch.zeros_like(self._stored_row_form(i), device=dev) for i in cfg.ple},
         )
         self.capture = dev.type == "cuda" if capture is None else capture
         if self.capture and dev.type != "cuda":
@@ -69,6 +69,12 @@ class DecodeStep:
         self._copied: torch.cuda.Event | None = None  # recorded after the last copies out of them
         self.outs: dict[str, tuple[torch.Tensor, ...]] = {}
         self._sampler = None
+
+    def _stored_row_form(self, layer: int) -> torch.Tensor:
+        """A (1, ngram_heads, width) tensor of the PLE table's stored row form (row 0 of every head): the
+        shape and dtype of the step's static input for that layer."""
+        heads = len(self.model.cfg.ple[layer].primes)
+        return self.model.w[f"L{layer}.ple.table"].stored_rows(torch.zeros(1, heads, dtype=torch.int64))
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:

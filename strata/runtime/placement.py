@@ -8,6 +8,8 @@ next placements to add.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from strata.errors import StrataError
@@ -86,13 +88,17 @@ def fuse_groups(w: Weights, repack: bool = False) -> Weights:
     return Weights(w.cfg, tensors, w.gdn_value_order, w.source, w.unknown)
 
 
-def fast_ops(base: Ops | None = None) -> Ops:
+def fast_ops(base: Ops | None = None, streams: bool = True) -> Ops:
     """The op table with every available Triton kernel installed (each falls back to the reference for
-    inputs it does not cover)."""
+    inputs it does not cover) and, with `streams`, a layer's independent branches on CUDA streams of their own
+    (`strata.runtime.streams`)."""
     ops = base or Ops()
     try:
         from strata.kernels.fused import fused_ops
         from strata.kernels.ops import triton_ops
     except ImportError as e:
         raise StrataError(f"the GPU path needs Triton ({e}); install it with: pip install -e '.[gpu]'") from e
-    return fused_ops(triton_ops(ops))
+    from strata.runtime.streams import SideStreams
+
+    fast = fused_ops(triton_ops(ops))
+    return dataclasses.replace(fast, branches=SideStreams()) if streams else fast

@@ -76,6 +76,21 @@ class QuantTensor(StoredTensor):
         decoded = self._decode(self.data.index_select(0, uniq.to(self.data.device)), dtype)
         return decoded[inverse.to(decoded.device)].reshape(*index.shape, self.cols)
 
+    def stored_rows(self, index: torch.Tensor) -> torch.Tensor:
+        if len(self.shape) != 2:
+            raise WeightError(f"{self.name}: stored_rows() needs a 2-D tensor, this one is {self.shape}")
+        flat = index.reshape(-1).to(torch.int64)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.shape[0]):
+            raise WeightError(f"{self.name}: row index out of range [0, {self.shape[0]})")
+        return self.data.index_select(0, flat.to(self.data.device)).reshape(*index.shape, self.data.shape[-1])
+
+    def decode_rows(self, stored: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        rb = self.data.shape[-1]
+        if stored.dtype != torch.uint8 or stored.shape[-1] != rb:
+            raise WeightError(f"{self.name}: stored rows of shape {list(stored.shape)} ({stored.dtype}) are not "
+                              f"uint8 rows of {rb} bytes")
+        return self._decode(stored.reshape(-1, rb), dtype).reshape(*stored.shape[:-1], self.cols)
+
     def __getitem__(self, i: int) -> StoredTensor:
         if len(self.shape) != 3:
             return super().__getitem__(i)

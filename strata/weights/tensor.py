@@ -40,6 +40,17 @@ class StoredTensor(ABC):
         """Slice `i` of the first dimension of a 3-D stack, as a 2-D stored tensor."""
         raise TypeError(f"{self.name}: a {len(self.shape)}-D {self.kind} tensor is not an expert stack")
 
+    def stored_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` (any shape of int64) of a 2-D tensor as they are stored, not decoded: shape
+        index.shape + (row width,), on the tensor's device. With `decode_rows` this splits `rows` in two, so the
+        cheap half (a gather of bytes, where the table lives) and the decode (where the rows are used) can run
+        on different devices."""
+        raise TypeError(f"{self.name}: a {type(self).__name__} has no stored rows")
+
+    def decode_rows(self, stored: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows from `stored_rows` (on any device), decoded: shape stored.shape[:-1] + (cols,) in `dtype`."""
+        raise TypeError(f"{self.name}: a {type(self).__name__} has no stored rows")
+
     @property
     @abstractmethod
     def nbytes(self) -> int:
@@ -95,6 +106,12 @@ class DenseTensor(StoredTensor):
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.tensor[index.to(self.tensor.device)].to(dtype)
+
+    def stored_rows(self, index: torch.Tensor) -> torch.Tensor:
+        return self.tensor[index.to(self.tensor.device)]
+
+    def decode_rows(self, stored: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return stored.to(dtype)
 
     def __getitem__(self, i: int) -> StoredTensor:
         if self.tensor.dim() != 3:
@@ -172,6 +189,27 @@ class RowConcatTensor(StoredTensor):
             sel = (shard == s).nonzero().flatten()
             out[sel] = self.parts[s].rows(flat[sel] - self.starts[s], dtype)
         return out.reshape(*index.shape, self.shape[1])
+
+    def stored_rows(self, index: torch.Tensor) -> torch.Tensor:
+        if self.kind == "mixed":
+            raise TypeError(f"{self.name}: shards of several storage types have no common stored row form")
+        flat = index.reshape(-1).to(torch.int64).cpu()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.shape[0]):
+            raise WeightError(f"{self.name}: row index out of range [0, {self.shape[0]})")
+        shard = torch.searchsorted(self.starts, flat, right=True) - 1
+        out = None
+        for s in torch.unique(shard).tolist():
+            sel = (shard == s).nonzero().flatten()
+            got = self.parts[s].stored_rows(flat[sel] - self.starts[s]).cpu()
+            if out is None:
+                out = torch.empty(flat.numel(), got.shape[-1], dtype=got.dtype)
+            out[sel] = got
+        if out is None:
+            out = self.parts[0].stored_rows(flat).cpu()
+        return out.reshape(*index.shape, out.shape[-1])
+
+    def decode_rows(self, stored: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.parts[0].decode_rows(stored, dtype)
 
     @property
     def nbytes(self) -> int:
