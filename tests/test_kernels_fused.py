@@ -82,6 +82,61 @@ def test_attend_matches_reference(L, W, split, dtype):
     assert (got.float() - want.float()).abs().max() <= tol
 
 
+@pytest.mark.parametrize("W,split,dtype", [(11, None, torch.float32), (70, 32, torch.float32),
+                                           (70, 32, torch.bfloat16)])
+def test_gated_attend_matches_reference(W, split, dtype):
+    """QSA's output gate applied at the store (one split, and the merge of several), from a strided gate view
+    like the model's [query | gate] rows."""
+    cfg = config()
+    g = torch.Generator().manual_seed(3)
+    state = QSAState.empty(cfg, dtype, "cpu", 64)
+    state.k.normal_(generator=g)
+    state.v.normal_(generator=g)
+    qg = torch.randn(1, cfg.num_attention_heads, 2 * cfg.head_dim, generator=g).to(dtype)
+    q, gate = qg[..., :cfg.head_dim], qg[..., cfg.head_dim:]
+    idx = torch.randint(0, 64, (1, W), generator=g)
+    ok = torch.rand(1, W, generator=g) > 0.3
+    ok[:, 0] = True
+    got = attention.attend(q, state, idx, ok, cfg, gate, split=split)
+    want = attend_ref(q, state, idx, ok, cfg, gate)
+    assert torch.allclose(want, attend_ref(q, state, idx, ok, cfg) * torch.sigmoid(gate).reshape(1, -1))
+    tol = 1e-5 if dtype == torch.float32 else 4 * 2 ** -8 * float(want.abs().max())
+    assert (got.float() - want.float()).abs().max() <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qsa_store_matches_reference(dtype):
+    """One token's cache writes by one launch, at positions that complete a block and one that does not: every
+    cache tensor equals the reference's (fp32 to accumulation order; bf16 to one ulp of the normed rows)."""
+    from strata.kernels import qsa_store
+    from strata.model.qsa import Rope, qsa_store_ref
+
+    cfg = config()
+    g = torch.Generator().manual_seed(8)
+    c = cfg.indexer_compress_ratio
+    hkv, hd, di = cfg.num_key_value_heads, cfg.head_dim, cfg.indexer_head_dim
+    ref = QSAState.empty(cfg, dtype, "cpu", 32)
+    for t in (ref.idx_raw, ref.k, ref.v, ref.idx_blocks):
+        t.copy_(torch.randn(t.shape, generator=g))
+    ours = QSAState(ref.k.clone(), ref.v.clone(), ref.idx_raw.clone(), ref.idx_blocks.clone(), ref.ratio, True)
+    inorm, knorm = 1 + 0.2 * torch.randn(di, generator=g), 1 + 0.2 * torch.randn(hd, generator=g)
+    for p in (2 * c - 1, 2 * c, 3 * c - 1):  # completes block 1, starts block 2, completes block 2
+        pos = torch.tensor([p])
+        rope = Rope.at(pos, cfg, dtype)
+        ki = torch.randn(1, di, generator=g).to(dtype)
+        k = torch.randn(1, hkv * hd, generator=g).to(dtype)
+        v = torch.randn(1, hkv * hd, generator=g).to(dtype)
+        assert qsa_store.supported(ours, pos, ki, k, v, inorm, knorm)
+        qsa_store_ref(ref, pos, ki, k, v, rope, inorm, knorm, cfg, True)
+        qsa_store.qsa_store(ours, pos, ki, k, v, rope, inorm, knorm, cfg.rms_norm_eps)
+        for name in ("idx_raw", "v"):
+            assert torch.equal(getattr(ours, name), getattr(ref, name)), (p, name)
+        for name in ("k", "idx_blocks"):
+            a, b = getattr(ours, name).float(), getattr(ref, name).float()
+            tol = 1e-5 if dtype == torch.float32 else 2 ** -7 * float(b.abs().max())
+            assert (a - b).abs().max() <= tol, (p, name, (a - b).abs().max())
+
+
 def test_block_scores_and_selection_match_reference():
     cfg = config()
     g = torch.Generator().manual_seed(4)
@@ -105,12 +160,13 @@ def test_block_scores_and_selection_match_reference():
 
 
 def test_selection_beyond_the_kernel_limit_is_the_reference(monkeypatch):
-    """Past SELECT_KERNEL_MAX_BLOCKS candidates the top-k is torch.topk with the reference's expansion: equal."""
+    """Past SELECT_KERNEL_MAX_BLOCKS candidates the top-k is torch.topk, expanded by `expand_blocks`: equal to
+    the reference, also for a query that sees fewer complete blocks than k (invalid picks)."""
     cfg = config()
     g = torch.Generator().manual_seed(6)
-    q = torch.randn(2, cfg.indexer_n_heads, cfg.indexer_head_dim, generator=g)
+    q = torch.randn(3, cfg.indexer_n_heads, cfg.indexer_head_dim, generator=g)
     blocks = torch.randn(16, cfg.indexer_head_dim, generator=g)
-    positions = torch.tensor([30, 63])
+    positions = torch.tensor([5, 30, 63])
     monkeypatch.setattr(attention, "SELECT_KERNEL_MAX_BLOCKS", 8)
     for a, b in zip(attention.select_tokens(q, blocks, positions, cfg), select_tokens(q, blocks, positions, cfg),
                     strict=True):

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from strata.config import ModelConfig
 from strata.kernels import pdl
-from strata.kernels.select import select_blocks
+from strata.kernels.select import expand_blocks, select_blocks
 from strata.model import topk
 from strata.runtime.state import QSAState
 
@@ -39,11 +39,12 @@ MAX_L = 16  # longest call the kernel takes: its split scratch grows as L x Hq x
 
 
 @triton.jit
-def _attn_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ok_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+def _attn_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ok_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, gate_ptr,
                        HQ, HD, W, CAP, G, SPLIT, NS,
-                       s_ql, s_qh, s_kr, s_kh, s_vr, s_vh, s_il, s_ol, s_outl, scale,
+                       s_ql, s_qh, s_kr, s_kh, s_vr, s_vh, s_il, s_ol, s_outl, s_gl, s_gh, scale,
                        GP: tl.constexpr, HDP: tl.constexpr, BW: tl.constexpr, SINGLE: tl.constexpr,
-                       IEEE: tl.constexpr, UPCAST: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False):
+                       IEEE: tl.constexpr, UPCAST: tl.constexpr, DT: tl.constexpr, GATE: tl.constexpr,
+                       GDC: tl.constexpr = False):
     pdl.started(GDC)
     pdl.wait(GDC)
     l = tl.program_id(0)
@@ -92,7 +93,10 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ok_ptr, out_ptr, m_ptr, l_p
         m_i = m_new
     if SINGLE:
         o = acc / l_i[:, None]
-        tl.store(out_ptr + l * s_outl + heads[:, None] * HD + d[None, :], o.to(DT), mask=gm[:, None] & dm[None, :])
+        om = gm[:, None] & dm[None, :]
+        if GATE:
+            o = _gated(o, gate_ptr + l * s_gl + heads[:, None] * s_gh + d[None, :], om, DT)
+        tl.store(out_ptr + l * s_outl + heads[:, None] * HD + d[None, :], o.to(DT), mask=om)
     else:
         base = (l * HQ + heads) * NS + sp
         tl.store(m_ptr + base, m_i, mask=gm)
@@ -101,8 +105,17 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ok_ptr, out_ptr, m_ptr, l_p
 
 
 @triton.jit
-def _attn_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, HQ, HD, NS, s_outl,
-                       NSP: tl.constexpr, BS: tl.constexpr, HDP: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False):
+def _gated(o, g_ptrs, mask, DT: tl.constexpr):
+    """o * sigmoid(gate) as the model computes it in DT: the attention output and the sigmoid each rounded to
+    DT, their product rounded at the store."""
+    g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+    return o.to(DT).to(tl.float32) * tl.sigmoid(g).to(DT).to(tl.float32)
+
+
+@triton.jit
+def _attn_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, gate_ptr, HQ, HD, NS, s_outl, s_gl, s_gh,
+                       NSP: tl.constexpr, BS: tl.constexpr, HDP: tl.constexpr, DT: tl.constexpr,
+                       GATE: tl.constexpr, GDC: tl.constexpr = False):
     pdl.started(GDC)
     pdl.wait(GDC)
     l = tl.program_id(0)
@@ -123,7 +136,10 @@ def _attn_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, HQ, HD, NS, s_outl,
         den += wgt * tl.load(l_ptr + base + sb, mask=sm, other=0.0)
         acc = tl.load(acc_ptr + (base + sb)[:, None] * HD + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
         o += tl.sum(acc * wgt[:, None], axis=0)
-    tl.store(out_ptr + l * s_outl + h * HD + d, (o / tl.sum(den, axis=0)).to(DT), mask=dm)
+    o = o / tl.sum(den, axis=0)
+    if GATE:
+        o = _gated(o, gate_ptr + l * s_gl + h * s_gh + d, dm, DT)
+    tl.store(out_ptr + l * s_outl + h * HD + d, o.to(DT), mask=dm)
 
 
 def sm_count(device: torch.device) -> int:
@@ -141,9 +157,10 @@ def attend_supported(q: torch.Tensor, state: QSAState) -> bool:
 
 
 def attend(q: torch.Tensor, state: QSAState, idx: torch.Tensor, ok: torch.Tensor, cfg: ModelConfig,
-           split: int | None = None, block_w: int = 32) -> torch.Tensor:
-    """Softmax attention of q (L, Hq, hd) over cache rows `idx` (L, W) where `ok`; (L, Hq*hd) in q's dtype.
-    `split` is the number of keys per program (a multiple of `block_w`; None picks one that fills the GPU)."""
+           gate: torch.Tensor | None = None, split: int | None = None, block_w: int = 32) -> torch.Tensor:
+    """Softmax attention of q (L, Hq, hd) over cache rows `idx` (L, W) where `ok`, times sigmoid(gate (L, Hq,
+    hd)) when given (applied at the store); (L, Hq*hd) in q's dtype. `split` is the number of keys per program
+    (a multiple of `block_w`; None picks one that fills the GPU)."""
     L, hq, hd = q.shape
     hkv = cfg.num_key_value_heads
     G = hq // hkv
@@ -166,18 +183,21 @@ def attend(q: torch.Tensor, state: QSAState, idx: torch.Tensor, ok: torch.Tensor
         lsum = torch.empty_like(m)
         acc = torch.empty(L * hq * ns * hd, dtype=torch.float32, device=dev)
     HDP = max(16, triton.next_power_of_2(hd))
+    if gate is not None and (gate.shape != q.shape or gate.stride(-1) != 1):
+        gate = gate.reshape(q.shape).contiguous()
+    g = gate if gate is not None else q
     _attn_split_kernel[(L, hkv, ns)](
-        q, state.k, state.v, idx, okb, out, m, lsum, acc,
+        q, state.k, state.v, idx, okb, out, m, lsum, acc, g,
         hq, hd, W, state.capacity, G, split, ns,
         q.stride(0), q.stride(1), state.k.stride(0), state.k.stride(1), state.v.stride(0), state.v.stride(1),
-        idx.stride(0), okb.stride(0), out.stride(0), hd ** -0.5,
+        idx.stride(0), okb.stride(0), out.stride(0), g.stride(0), g.stride(1), hd ** -0.5,
         GP=max(16, triton.next_power_of_2(G)), HDP=HDP, BW=block_w, SINGLE=single,
         IEEE=q.dtype == torch.float32 or not q.is_cuda, UPCAST=not q.is_cuda, DT=TL_DTYPES[q.dtype],
-        **pdl.launch(dev))
+        GATE=gate is not None, **pdl.launch(dev))
     if not single:
-        _attn_merge_kernel[(L, hq)](m, lsum, acc, out, hq, hd, ns, out.stride(0),
+        _attn_merge_kernel[(L, hq)](m, lsum, acc, out, g, hq, hd, ns, out.stride(0), g.stride(0), g.stride(1),
                                     NSP=triton.next_power_of_2(ns), BS=min(32, triton.next_power_of_2(ns)), HDP=HDP,
-                                    DT=TL_DTYPES[q.dtype], **pdl.launch(dev))
+                                    DT=TL_DTYPES[q.dtype], GATE=gate is not None, **pdl.launch(dev))
     return out
 
 
@@ -230,7 +250,7 @@ def select_tokens(q_idx: torch.Tensor, blocks: torch.Tensor, positions: torch.Te
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """`strata.model.qsa.select_tokens` with the block scores above, then the top-k blocks expanded to token
     indices, the tail and validity: by `strata.kernels.select` (one launch) up to SELECT_KERNEL_MAX_BLOCKS
-    candidates, else by torch.topk and the reference's expansion. Token indices (L, W) and their validity (L,
+    candidates, else by torch.topk and `expand_blocks` (one launch). Token indices (L, W) and their validity (L,
     W), W <= B + c - 1. Same chosen set as the reference whenever the k-th and (k+1)-th block scores differ
     (the kernel breaks ties by lowest block index and lists the chosen blocks in block order, which `attend`, a
     softmax over the set, only sees as fp summation order)."""
@@ -241,11 +261,5 @@ def select_tokens(q_idx: torch.Tensor, blocks: torch.Tensor, positions: torch.Te
                                                                                           dtype=torch.float32)
     if nb <= SELECT_KERNEL_MAX_BLOCKS:
         return select_blocks(scores, positions, k, c)
-    dev = q_idx.device
-    nb_q = (positions + 1) // c
-    tail = nb_q[:, None] * c + torch.arange(c - 1, device=dev)
-    tail_ok = tail <= positions[:, None]
     top_v, top_b = topk.select(scores, k)
-    chosen = (top_b[:, :, None] * c + torch.arange(c, device=dev)).flatten(1)
-    chosen_ok = torch.isfinite(top_v).repeat_interleave(c, dim=1)
-    return torch.cat([chosen, tail], 1), torch.cat([chosen_ok, tail_ok], 1)
+    return expand_blocks(top_v, top_b, positions, c)

@@ -15,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from strata.kernels import attention, gdn, hyper, moe
+import torch
+
+from strata.kernels import attention, gdn, hyper, moe, qsa_store
 from strata.kernels import hc_write as hc_write_kernel
 from strata.kernels import norm_rope as norm_rope_kernel
 from strata.kernels import ple as ple_kernel
@@ -24,11 +26,11 @@ from strata.model.qsa import select_tokens as select_tokens_ref
 
 
 def _entry(kernel: Callable, supported: Callable, fallback: Callable, force: bool) -> Callable:
-    """An op entry with the reference's signature: `kernel(*args)` when the first argument lives on CUDA (or
-    `force`) and `supported(*args)`, else `fallback(*args)`."""
+    """An op entry with the reference's signature: `kernel(*args)` when the first tensor argument lives on CUDA
+    (or `force`) and `supported(*args)`, else `fallback(*args)`."""
 
     def entry(*args):  # noqa: ANN002, ANN202 - the signature of the entry it replaces
-        if (force or args[0].is_cuda) and supported(*args):
+        if (force or next(a for a in args if isinstance(a, torch.Tensor)).is_cuda) and supported(*args):
             return kernel(*args)
         return fallback(*args)
 
@@ -52,6 +54,10 @@ def fused_ops(base: Ops, force: bool = False) -> Ops:
         "hc_write": (hc_write_kernel.hc_write, hc_write_kernel.supported),
         "ple_mix": (ple_kernel.ple_mix, lambda x, key, value, nk, nq, nc, conv_w, window, cfg:
                     ple_kernel.supported(x, key, value, conv_w, window, cfg)),
+        "qsa_store": (lambda state, pos, ki, k, v, rope, inorm, knorm, cfg, *_:
+                      qsa_store.qsa_store(state, pos, ki, k, v, rope, inorm, knorm, cfg.rms_norm_eps),
+                      lambda state, pos, ki, k, v, rope, inorm, knorm, *_:
+                      qsa_store.supported(state, pos, ki, k, v, inorm, knorm)),
     }
     entries = {name: _entry(kernel, supported, getattr(base, name), force)
                for name, (kernel, supported) in table.items()}

@@ -45,20 +45,35 @@ def _norm_rope_kernel(x_ptr, scale_ptr, cos_ptr, sin_ptr, out_ptr, HEADS, sxl, s
     base = x_ptr + l * sxl + h * sxh
     x = tl.load(base + d, mask=dm, other=0.0).to(tl.float32)
     rs = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    w = tl.load(scale_ptr + d, mask=dm, other=0.0).to(tl.float32)
-    y = _round(x * rs * w, DT)
-    # NeoX rotate-half partner of each of the first R dims, normalised the same way (same fp32 ops, same value)
+    pd = partner(d, R)
+    xp = tl.load(base + pd, mask=d < R, other=0.0).to(tl.float32)
+    out = normed_rotated(x, xp, rs, scale_ptr, cos_ptr + l * scl, sin_ptr + l * ssl, d, dm, R, DT)
+    tl.store(out_ptr + row * D + d, out.to(DT), mask=dm)
+
+
+@triton.jit
+def partner(d, R: tl.constexpr):
+    """The NeoX rotate-half partner of each of the first R dims (i <-> i + R/2)."""
+    HALF: tl.constexpr = R // 2
+    return tl.where(d < HALF, d + HALF, d - HALF)
+
+
+@triton.jit
+def normed_rotated(x, xp, rs, scale_ptr, cos_row, sin_row, d, dm, R: tl.constexpr, DT: tl.constexpr):
+    """RMSNorm then RoPE of one row, rounded as in the module docstring: x the fp32 values at dims d, xp those at
+    `partner(d)` (for d < R), rs the row's inverse RMS (broadcast against x), fp32 scale (1 + w) at scale_ptr,
+    cos/sin of the row's position at cos_row/sin_row. Returns fp32 values already rounded to DT."""
     HALF: tl.constexpr = R // 2
     rm = d < R
-    pd = tl.where(d < HALF, d + HALF, d - HALF)
-    xp = tl.load(base + pd, mask=rm, other=0.0).to(tl.float32)
+    pd = partner(d, R)
+    w = tl.load(scale_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    y = _round(x * rs * w, DT)
     wp = tl.load(scale_ptr + pd, mask=rm, other=0.0).to(tl.float32)
-    yp = _round(xp * rs * wp, DT)
+    yp = _round(xp * rs * wp, DT)  # the partner, normalised the same way (same fp32 ops, same value)
     yp = tl.where(d < HALF, -yp, yp)
-    c = tl.load(cos_ptr + l * scl + d, mask=rm, other=1.0).to(tl.float32)
-    s = tl.load(sin_ptr + l * ssl + d, mask=rm, other=0.0).to(tl.float32)
-    out = tl.where(rm, y * c + yp * s, y)
-    tl.store(out_ptr + row * D + d, _round(out, DT).to(DT), mask=dm)
+    c = tl.load(cos_row + d, mask=rm, other=1.0).to(tl.float32)
+    s = tl.load(sin_row + d, mask=rm, other=0.0).to(tl.float32)
+    return _round(tl.where(rm, y * c + yp * s, y), DT)
 
 
 def supported(x: torch.Tensor, scale: torch.Tensor, cos: torch.Tensor) -> bool:

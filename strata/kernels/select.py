@@ -204,3 +204,54 @@ def select_blocks(scores: torch.Tensor, positions: torch.Tensor, k: int, c: int,
                          DIGIT=DIGIT_BITS, G=8,
                          EVEN=nb % block == 0, num_warps=num_warps, **pdl.launch(scores.device))
     return idx, ok
+
+
+@triton.jit
+def _expand_kernel(v_ptr, b_ptr, pos_ptr, idx_ptr, ok_ptr, K, s_vl, s_bl, s_il, s_ol,
+                   C: tl.constexpr, CP: tl.constexpr, TP: tl.constexpr, BK: tl.constexpr,
+                   GDC: tl.constexpr = False):
+    """idx/ok of one query from its k chosen blocks (b, their scores v): the expansion and tail of
+    `_select_kernel`, for blocks chosen elsewhere (torch.topk)."""
+    pdl.started(GDC)
+    pdl.wait(GDC)
+    l = tl.program_id(0).to(tl.int64)
+    out_i = idx_ptr + l * s_il
+    out_o = ok_ptr + l * s_ol
+    j = tl.arange(0, CP)
+    jm = j < C
+    for k0 in range(0, K, BK):
+        r = k0 + tl.arange(0, BK)
+        rm = r < K
+        blk = tl.load(b_ptr + l * s_bl + r, mask=rm, other=0).to(tl.int64)
+        fin = tl.abs(tl.load(v_ptr + l * s_vl + r, mask=rm, other=0.0)) < float("inf")  # NaN: False
+        at = r[:, None] * C + j[None, :]
+        sm = rm[:, None] & jm[None, :]
+        tl.store(out_i + at, blk[:, None] * C + j[None, :], mask=sm)
+        tl.store(out_o + at, (fin[:, None] & jm[None, :]).to(tl.int8), mask=sm)
+    if TP > 0:
+        pos = tl.load(pos_ptr + l).to(tl.int64)
+        t = tl.arange(0, TP)
+        tok = (pos + 1) // C * C + t
+        tm = t < C - 1
+        tl.store(out_i + K * C + t, tok, mask=tm)
+        tl.store(out_o + K * C + t, (tok <= pos).to(tl.int8), mask=tm)
+
+
+def expand_blocks(top_v: torch.Tensor, top_b: torch.Tensor, positions: torch.Tensor, c: int,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token indices (L, k*c + c-1) and validity of k chosen blocks per query (top_b (L, k) int64, their scores
+    top_v (L, k) fp32: valid where finite), then the tail after the query's complete blocks, in one launch:
+    what `select_blocks` writes, in the blocks' given order (the reference's expansion is ~8 small torch ops)."""
+    L, k = top_b.shape
+    W = k * c + c - 1
+    idx = torch.empty(L, W, dtype=torch.int64, device=top_b.device)
+    ok = torch.empty(L, W, dtype=torch.bool, device=top_b.device)
+    if L == 0 or W == 0:
+        return idx, ok
+    top_v = top_v if top_v.stride(-1) == 1 else top_v.contiguous()
+    top_b = top_b if top_b.stride(-1) == 1 else top_b.contiguous()
+    _expand_kernel[(L,)](top_v, top_b, positions.contiguous(), idx, ok.view(torch.int8), k,
+                         top_v.stride(0), top_b.stride(0), idx.stride(0), ok.stride(0),
+                         C=c, CP=triton.next_power_of_2(c), TP=triton.next_power_of_2(c - 1) if c > 1 else 0,
+                         BK=min(1024, max(16, triton.next_power_of_2(k))), **pdl.launch(top_b.device))
+    return idx, ok

@@ -10,8 +10,10 @@ from strata.runtime.state import QSAState
 QUERY_BLOCK = 64  # queries per slice, to bound the gathered K/V memory in long prefills
 
 
-def attend_ref(q: torch.Tensor, state: QSAState, idx: torch.Tensor, ok: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """Softmax attention of q (L, Hq, hd) over the cached K/V rows `idx` (L, W) where `ok`; (L, Hq*hd)."""
+def attend_ref(q: torch.Tensor, state: QSAState, idx: torch.Tensor, ok: torch.Tensor, cfg: ModelConfig,
+               gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention of q (L, Hq, hd) over the cached K/V rows `idx` (L, W) where `ok`, times
+    sigmoid(gate (L, Hq, hd)) when given (QSA's output gate, in the model dtype); (L, Hq*hd)."""
     L, hq, hd = q.shape
     group = hq // cfg.num_key_value_heads
     out = []
@@ -24,4 +26,5 @@ def attend_ref(q: torch.Tensor, state: QSAState, idx: torch.Tensor, ok: torch.Te
         scores = scores.masked_fill(~ok[sl, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out.append(torch.einsum("lhw,lwhd->lhd", probs, vals).reshape(-1, hq * hd))
-    return torch.cat(out)
+    o = torch.cat(out)
+    return o if gate is None else o * torch.sigmoid(gate).reshape(L, hq * hd)

@@ -19,7 +19,7 @@ from strata.model.gdn import gdn_core_ref
 from strata.model.hyper import hc_read_ref, hc_write_read_ref, hc_write_ref
 from strata.model.moe import moe_combine_ref, route_ref
 from strata.model.ple import decode_rows_ref, ple_mix_ref
-from strata.model.qsa import norm_rope_ref, select_tokens
+from strata.model.qsa import norm_rope_ref, qsa_store_ref, select_tokens
 from strata.weights.tensor import StoredTensor
 
 
@@ -61,10 +61,12 @@ class Ops:
     mlp: Callable = mlp_ref  # (x, gate, up, down, linear) -> (L, H)
     embed: Callable = embed_ref
     decode_rows: Callable = decode_rows_ref  # (stored rows (..., width), table, dtype) -> (..., cols)
-    attend: Callable = attend_ref  # (q, qsa_state, idx, ok, cfg) -> (L, Hq*hd)
+    attend: Callable = attend_ref  # (q, qsa_state, idx, ok, cfg, gate|None) -> (L, Hq*hd)
     experts: Callable = experts_ref  # (a, top_i, top_w, gate, up, down, linear) -> (L, H)
     gdn_core: Callable = gdn_core_ref  # (x, z, b, alpha, GDNParams, GDNState, cfg) -> (L, nv*dv)
     select_tokens: Callable = select_tokens  # (q_idx, blocks, positions, cfg) -> (idx, ok)
+    # (qsa_state, positions, ki, k, v, rope, idx_norm, k_norm, cfg, static, norm_rope) -> None: the cache writes
+    qsa_store: Callable = qsa_store_ref
     hc_read: Callable = hc_read_ref  # (x, norm, down, up, inject|None, S, eps, linear) -> (a, inject weights)
     norm_rope: Callable = norm_rope_ref  # (x (L, heads, d), scale (d,) fp32, cos, sin (L, r), eps) -> (L, heads, d)
     route: Callable = route_ref  # (logits (L, E), k, norm_topk_prob) -> (top_i (L, k) int64, top_w (L, k))

@@ -97,6 +97,22 @@ def update_blocks(state: QSAState, positions: torch.Tensor, rope: Rope, norm: to
     state.idx_blocks.index_copy_(0, blocks, pooled)
 
 
+def qsa_store_ref(state: QSAState, positions: torch.Tensor, ki: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  rope: Rope, idx_norm: torch.Tensor, k_norm: torch.Tensor, cfg: ModelConfig, static: bool,
+                  norm_rope: Callable = norm_rope_ref) -> None:
+    """Write one call's rows into the QSA cache at `positions`: the raw indexer keys ki (L, Di), K (L, Hkv*hd)
+    after k_norm and RoPE, V (L, Hkv*hd); then pool the blocks the call completes (`update_blocks`).
+    idx_norm / k_norm: the fp32 (1 + w) scales of the indexer's and the attention's key norms; `norm_rope` is
+    the op table's entry."""
+    L = ki.shape[0]
+    hkv, hd = cfg.num_key_value_heads, cfg.head_dim
+    state.idx_raw.index_copy_(0, positions, ki)
+    update_blocks(state, positions, rope, idx_norm, cfg, static, norm_rope)
+    k = norm_rope(k.reshape(L, hkv, hd), k_norm, rope.cos, rope.sin, cfg.rms_norm_eps)
+    state.k.index_copy_(0, positions, k)
+    state.v.index_copy_(0, positions, v.reshape(L, hkv, hd))
+
+
 def select_tokens(q_idx: torch.Tensor, blocks: torch.Tensor, positions: torch.Tensor, cfg: ModelConfig,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token indices (L, W) each query attends to, and their validity (L, W); W <= B + c - 1.
@@ -143,19 +159,14 @@ def qsa_layer(a: torch.Tensor, positions: torch.Tensor, rope: Rope, n_keys: int,
     biases = [None, None] + [w.get(p + n + "_bias") for n in ("attn.q", "attn.k", "attn.v")]
     qi, ki, qg, k, v = ops.linears(a, [w[p + n] for n in names], biases, ops.linear)
 
-    # Indexer: raw keys cached; pooled keys for every block this call completes; selection.
+    # This call's rows into the cache (raw indexer keys, K normed and rotated, V; pooled keys of the blocks it
+    # completes), then the indexer's selection and the gated attention over the selected rows.
+    ops.qsa_store(state, positions, ki, k, v, rope, w[p + "idx.k_norm"].dense(torch.float32, dev),
+                  w[p + "attn.k_norm"].dense(torch.float32, dev), cfg, static, ops.norm_rope)
     qi = ops.norm_rope(qi.reshape(L, hi, di), w[p + "idx.q_norm"].dense(torch.float32, dev), cos, sin, eps)
-    state.idx_raw.index_copy_(0, positions, ki)
-    update_blocks(state, positions, rope, w[p + "idx.k_norm"].dense(torch.float32, dev), cfg, static,
-                  ops.norm_rope)
     idx, ok = ops.select_tokens(qi, state.idx_blocks[: n_keys // c], positions, cfg)
-
-    # Main attention over the selected rows.
     qg = qg.reshape(L, hq, 2 * hd)
-    q, gate = qg[..., :hd], qg[..., hd:].reshape(L, hq * hd)
+    q, gate = qg[..., :hd], qg[..., hd:]  # per head [query | gate]
     q = ops.norm_rope(q, w[p + "attn.q_norm"].dense(torch.float32, dev), cos, sin, eps)
-    k = ops.norm_rope(k.reshape(L, hkv, hd), w[p + "attn.k_norm"].dense(torch.float32, dev), cos, sin, eps)
-    state.k.index_copy_(0, positions, k)
-    state.v.index_copy_(0, positions, v.reshape(L, hkv, hd))
-    o = ops.attend(q, state, idx, ok, cfg) * torch.sigmoid(gate)
+    o = ops.attend(q, state, idx, ok, cfg, gate)
     return ops.linear(o, w[p + "attn.o"], w.get(p + "attn.o_bias"))
