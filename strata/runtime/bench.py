@@ -202,6 +202,7 @@ def bench_decode(model: Model, context: int, tokens: int = 64, runs: int = 3, se
     out["tok_per_s"] = 1e3 / out["ms_per_token"]
     if profile:
         out["kernels"] = kernel_profile(step)
+        out["replay_kernels"] = replay_profile(step)
     if stage_table:
         times = StageTimes()
         prof = Model(model.w, model.dtype, model.device, timed_ops(step.model.ops, model.cfg, times))
@@ -241,6 +242,32 @@ def kernel_profile(step: DecodeStep, top: int = 40) -> dict:
             "top": [{"kernel": k[:80], "count": len(v), "ms": round(sum(v), 4)} for k, v in ranked]}
 
 
+def replay_profile(step: DecodeStep, top: int = 40) -> dict:
+    """Where one graph replay's time goes when kernels overlap (PDL, side streams): kernels sorted by end time,
+    each charged the time by which it moves the latest end so far (its *marginal* time; the charges add up to
+    the replay's span). A kernel hidden behind others is charged ~0 however long it runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step.graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step.graph.replay()
+        torch.cuda.synchronize()
+    spans = sorted(((e.time_range.end, e.time_range.start, e.name) for e in prof.events()
+                    if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda t: t[0])
+    if not spans:
+        return {"launches": 0}
+    marginal: dict[str, list[float]] = defaultdict(list)
+    frontier = min(s for _, s, _ in spans)
+    start = frontier
+    for end, _, name in spans:
+        marginal[name].append(max(0.0, end - frontier) / 1e3)
+        frontier = max(frontier, end)
+    ranked = sorted(marginal.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"launches": len(spans), "span_ms": (frontier - start) / 1e3,
+            "top": [{"kernel": k[:80], "count": len(v), "marginal_ms": round(sum(v), 4)} for k, v in ranked]}
+
+
 def bench_prefill(model: Model, tokens: int, seed: int = 0) -> dict:
     """Prefill tok/s of one prompt of `tokens` random ids (eager, chunked)."""
     gen = torch.Generator().manual_seed(seed)
@@ -278,6 +305,11 @@ def format_table(report: dict) -> str:
         k = first["kernels"]
         lines.append(f"one step launches {k['launches']} kernels, {k['kernel_ms']:.3f} ms of kernel time; largest:")
         lines.extend(f"  {t['ms']:>8.3f} ms {t['count']:>5}x {t['kernel']}" for t in k["top"])
+    if first.get("replay_kernels", {}).get("launches"):
+        k = first["replay_kernels"]
+        lines.append(f"one replay: {k['launches']} kernels over {k['span_ms']:.3f} ms; marginal time (how far each "
+                     "moves the replay's end):")
+        lines.extend(f"  {t['marginal_ms']:>8.3f} ms {t['count']:>5}x {t['kernel']}" for t in k["top"])
     if "stages_ms" in first:
         lines.append(f"per-stage ms (context {first['context']}; sum {first['stages_sum_ms']:.3f} ms of "
                      f"{first['ms_per_token']:.3f} ms):")
