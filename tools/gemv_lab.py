@@ -4,7 +4,7 @@ Each variant is checked against "dequantize, then x @ W^T in float64" and timed 
 larger than L2 (so every byte comes from HBM), as GB/s of stored bytes and a fraction of the copy bandwidth:
 
 * `SUITE`: per type and shape, the production defaults (`strata.kernels.gemv`) against other rows/warps per
-  program;
+  program and K splits;
 * `EXPERTS`: the routed-expert launches at the real shapes (10 of 256 experts per call): gate/up GLU, down
   (timed only: their outputs are not checked here; tests/test_kernels_gemv_fused.py checks both Q4_K forms);
 * `GLU_SUITE`: the gate/up GLU of one matrix pair.
@@ -20,6 +20,7 @@ loaded in the weight tile's layout) and their timings are in bench/results/2026-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -30,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from strata.kernels import gemv as G  # noqa: E402
+from strata.kernels import gemv_blocks as gb  # noqa: E402
 from strata.runtime.bench import copy_bandwidth  # noqa: E402
 from strata.weights import quants  # noqa: E402
 from tools.gpu_check_gemv import time_graph  # noqa: E402
@@ -37,12 +39,14 @@ from tools.gpu_check_gemv import time_graph  # noqa: E402
 BANK_BYTES = 800 << 20
 
 
-def skel_gemv(t: G.GemvType, x, w, k, out, bn, nw) -> None:
-    """One launch of the production kernel for type description t (block_n / num_warps overrides or None)."""
-    G._launch(t, x, w, None, out, w.shape[0], k, 1, x.shape[0], 0, 0, 0, bn, nw)
+def skel_gemv(t: G.GemvType, x, w, k, out, bn, nw, sk=None) -> None:
+    """One launch of the production kernel for type description t (block_n / num_warps / split_k overrides or
+    None)."""
+    G._launch(t, x, w, None, out, w.shape[0], k, 1, x.shape[0], 0, 0, 0, bn, nw, split_k=sk)
 
 
-LAB_TYPES = {"Q4_K_BYTES": G._Q4_K_BYTES}
+LAB_TYPES = {"Q4_K_BYTES": G._Q4_K_BYTES,
+             "Q5_1_W": dataclasses.replace(G.gemv_type("Q5_1"), name="Q5_1_W", decode=gb.decode_q5_1_w)}
 """Decoders not in the production table, by name: Q4_K_BYTES is Q4_K's byte-wise form, which production keeps
 for small one-token launches only. (Rejected candidates and their timings: bench/results/*gemv-lab*.json.)"""
 
@@ -66,18 +70,29 @@ def random_rows(name: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor
 # (type, [(N, K)], [(label, block_n, num_warps)]): the production defaults against other launch shapes. Software-
 # pipelined K loops (Triton num_stages 2-3) were tried and moved no shape by more than ~10%:
 # bench/results/2026-12-02-h200-gemv-lab-stages.json.
-_SMALL = [("default", None, None), ("bn2 w4", 2, 4), ("bn2 w2", 2, 2), ("bn4 w4", 4, 4), ("bn4 w2", 4, 2),
-          ("bn8 w4", 8, 4), ("bn2 w1", 2, 1)]
+_D = ("default", None, None, None)
+_SPLITS = [_D, ("sk2", None, None, 2), ("sk4", None, None, 4), ("sk5", None, None, 5)]
 SUITE = [
-    ("F32", [(513, 2560)], _SMALL),
-    ("Q8_0_R8", [(16432, 2560), (2560, 6144)], [("default", None, None)]),
-    ("Q8_0_R8", [(13952, 2560)], [("default", None, None), ("bn8 w4", 8, 4)]),
-    ("Q8_0", [(2560, 6144)], [("default", None, None)]),
+    ("F32", [(513, 2560)], _SPLITS + [("bn4 sk5", 4, 4, 5), ("bn8 sk5", 8, 4, 5)]),
+    ("Q8_0", [(2560, 6144)], _SPLITS + [("sk3", None, None, 3), ("sk6", None, None, 6), ("bn8 sk6", 8, 4, 6)]),
+    ("Q8_0", [(2560, 640)], [_D, ("sk2", None, None, 2), ("sk4", None, None, 4)]),
+    ("Q5_1", [(2560, 640)], [_D]),
+    ("Q5_1_W", [(2560, 640)], [_D]),
+    ("Q8_0_R8", [(16432, 2560)], [_D, ("sk2", None, None, 2), ("sk5", None, None, 5)]),
+    ("Q6_K", [(248320, 2560)], [_D, ("bn4 w4", 4, 4, None), ("bn16 w4", 16, 4, None), ("bn8 w8", 8, 8, None)]),
 ]
-EXPERTS = [("Q4_K", 640, 2560, "glu"), ("Q4_K_BYTES", 640, 2560, "glu"), ("Q5_1", 2560, 640, "down")]
-"""Routed-expert launches at the real shapes (10 of 256 experts): gate/up GLU and the per-slot down projection."""
+"""(type, [(N, K)], [(label, block_n, num_warps, split_k)]): the production defaults against other launch shapes
+at the decode step's shapes (router, out projection, shared-expert down, GDN projections, head)."""
+EXPERTS = [("Q4_K", 640, 2560, "glu", [("default", None, None), ("bn16", 16, None), ("sk2", None, 2),
+                                        ("sk5", None, 5), ("bn16 sk2", 16, 2), ("bn16 sk5", 16, 5)]),
+           ("Q5_1", 2560, 640, "down", [("default", None, None), ("bn16", 16, None), ("sk5", None, 5),
+                                         ("bn16 sk5", 16, 5), ("bn32 sk5", 32, 5)]),
+           ("Q5_1_W", 2560, 640, "down", [("default", None, None), ("bn16", 16, None), ("bn16 sk5", 16, 5)])]
+"""Routed-expert launches at the real shapes (10 of 256 experts): gate/up GLU and the per-slot down projection,
+(label, block_n, split_k) variants."""
 GLU_SUITE = [("Q8_0", [(640, 2560)])]
-"""GLU (gate/up, I x K each), the default launch."""
+"""GLU (gate/up, I x K each): the shared expert's."""
+_GLU_VARIANTS = [_D, ("sk2", None, None, 2), ("sk5", None, None, 5), ("bn2 w4 sk5", 2, 4, 5)]
 
 
 def expert_err(out: torch.Tensor, x: torch.Tensor, sg: torch.Tensor, su: torch.Tensor | None, ids: torch.Tensor,
@@ -133,10 +148,10 @@ def main() -> int:
                 return float(((o.double() - xd @ ref.T).abs() / (xd.abs() @ ref.abs().T)).max())
 
             t = lab_type(name)
-            for label, bn, nw in variants:
+            for label, bn, nw, sk in variants:
 
-                def fn(ww, t=t, bn=bn, nw=nw, x=x, k=k, out=out):
-                    skel_gemv(t, x, ww, k, out, bn, nw)
+                def fn(ww, t=t, bn=bn, nw=nw, sk=sk, x=x, k=k, out=out):
+                    skel_gemv(t, x, ww, k, out, bn, nw, sk)
                     return out
                 r = _row(name, n, k, label, fn, w, bank, nbytes, ref_fn, bw)
                 rows_out.append(r)
@@ -162,16 +177,17 @@ def main() -> int:
             def ref_fn(w0, o, refv=refv):
                 return float((o.double() - refv).abs().max() / refv.abs().max())
 
-            for label, bn, nw in _SMALL:
-                def fn(gu, t=t, x=x, k=k, out=out, bn=bn, nw=nw):
-                    G._launch(t, x, gu[0], None, out, gu[0].shape[0], k, 1, x.shape[0], 0, 0, 0, bn, nw, up=gu[1])
+            for label, bn, nw, sk in _GLU_VARIANTS:
+                def fn(gu, t=t, x=x, k=k, out=out, bn=bn, nw=nw, sk=sk):
+                    G._launch(t, x, gu[0], None, out, gu[0].shape[0], k, 1, x.shape[0], 0, 0, 0, bn, nw, up=gu[1],
+                              split_k=sk)
                     return out
                 r = _row(name, n, k, "glu " + label, fn, (g, u), bank, nbytes, ref_fn, bw)
                 rows_out.append(r)
                 print(json.dumps(r), file=sys.stderr)
             del bank
             torch.cuda.empty_cache()
-    for name, n, k, kind in EXPERTS:
+    for name, n, k, kind, ex_variants in EXPERTS:
         if (only and name not in only) or args.no_experts:
             continue
         stack_g = random_rows(name, 256 * n, k, gen).view(256, n, -1)
@@ -180,15 +196,15 @@ def main() -> int:
         id_sets = [torch.randperm(256, generator=gen, device="cuda")[:10].to(torch.int32) for _ in range(48)]
         x = torch.randn(1 if kind == "glu" else 10, k, generator=gen, device="cuda").to(torch.bfloat16)
         t = lab_type(name)
-        for label, bn in (("default", None), ("bn4", 4), ("bn8", 8), ("bn16", 16), ("bn32", 32)):
+        for label, bn, sk in ex_variants:
 
-            def fn(ids, t=t, bn=bn, x=x, k=k, kind=kind, sg=stack_g, su=stack_u):
+            def fn(ids, t=t, bn=bn, sk=sk, x=x, k=k, kind=kind, sg=stack_g, su=stack_u):
                 if kind == "glu":
                     G._launch(t, x, sg, ids, out_e, n, k, 10, 1, sg.stride(0), 0, out_e.stride(0), bn,
-                              None, up=su, up_slot_stride=su.stride(0))
+                              None, up=su, up_slot_stride=su.stride(0), split_k=sk)
                 else:
                     G._launch(t, x, sg, ids, out_e, n, k, 10, 1, sg.stride(0), x.stride(0), out_e.stride(0), bn,
-                              None)
+                              None, split_k=sk)
                 return out_e
 
             out_e = torch.empty(10, n, device="cuda", dtype=torch.bfloat16 if kind == "glu" else torch.float32)

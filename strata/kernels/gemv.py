@@ -270,6 +270,26 @@ def _rounded(v, DT: tl.constexpr):
 
 
 @triton.jit
+def _split_sum(res, part, cnt, s, SPLIT: tl.constexpr, ROWS: tl.constexpr, T_PAD: tl.constexpr):
+    """Split-K: the sum of the SPLIT programs' partial tiles `res` of one row tile, in program order (so it does
+    not depend on which finishes last), and 1 if this program is the one to store it (the last to arrive), else 0.
+
+    Each program stores its partial to its slot of `part` ([SPLIT, ROWS, T_PAD] fp32), then takes a ticket from
+    the tile's counter `cnt`; the program that draws SPLIT - 1 reads all partials back from L2 and resets the
+    counter to 0 for the next launch. No atomics touch the sums, so a replay equals the eager call bit for bit."""
+    r = tl.arange(0, ROWS)[:, None] * T_PAD + tl.arange(0, T_PAD)[None, :]
+    tl.store(part + s * (ROWS * T_PAD) + r, res)
+    tl.debug_barrier()  # every thread's partial is written before the ticket is drawn
+    last = tl.where(tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT - 1, 1, 0)
+    total = tl.zeros([ROWS, T_PAD], tl.float32)
+    for j in tl.static_range(SPLIT):  # (masks are bounds, not boolean ands: the interpreter rejects the latter)
+        total += tl.load(part + j * (ROWS * T_PAD) + r, mask=r < ROWS * T_PAD * last, other=0.0,
+                         cache_modifier=".cg")
+    tl.atomic_add(cnt, -SPLIT * last, sem="relaxed", scope="gpu")  # the last one puts the counter back to 0
+    return total, last
+
+
+@triton.jit
 def _store(optr, v, rows, N, tok_stride, T: tl.constexpr, T_PAD: tl.constexpr):
     """out[t, rows] = v[:, t] (fp32 [BN, T_PAD]) for t < T and rows < N, cast once to out's element type."""
     dt: tl.constexpr = optr.dtype.element_ty
@@ -292,29 +312,41 @@ def _matrix(ids_ptr, slot, HAS_IDS: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, ids_ptr, tab_ptr, out_ptr,
+    x_ptr, w_ptr, ids_ptr, tab_ptr, out_ptr, part_ptr, cnt_ptr,
     N, n_chunks,
     w_row_stride, w_slot_stride, x_tok_stride, x_slot_stride, out_tok_stride, out_slot_stride,
     DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr, NB: tl.constexpr,
-    BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr, GDC: tl.constexpr = False,
+    BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr, SPLIT: tl.constexpr = 1,
+    GDC: tl.constexpr = False,
 ):
     """out[slot, t, rows] = W[slot's matrix][rows] . x[slot, t] for BN rows, T <= 8 tokens.
 
     Program (i, slot): rows i*BN .. i*BN+BN-1 of the matrix of `slot` (expert ids[slot] when HAS_IDS, else the one
     matrix). Rows past N are clamped to N-1 (so no load needs a mask) and not stored. Strides are in elements of
     the respective pointer (bytes for packed rows). With GDC (PDL) the weights of the first chunk are in flight
-    before the wait, unless the matrix depends on the expert ids (written by the routing kernel)."""
+    before the wait, unless the matrix depends on the expert ids (written by the routing kernel).
+
+    SPLIT > 1 (split-K): program (i, slot, s) covers the s-th of SPLIT equal runs of n_chunks chunks, and the
+    last of the SPLIT to finish sums and stores (`_split_sum`): more programs with shorter K loops, for launches
+    whose loop is latency-bound."""
     pdl.started(GDC)
     if HAS_IDS:
         pdl.wait(GDC)
     pid = tl.program_id(0)
     slot = tl.program_id(1).to(tl.int64)
+    s = tl.program_id(2)
     rows = pid * BN + tl.arange(0, BN)
     rows_c = tl.minimum(rows, N - 1).to(tl.int64)
-    rp = w_ptr + _matrix(ids_ptr, slot, HAS_IDS) * w_slot_stride + rows_c * w_row_stride
-    res = _tile(x_ptr + slot * x_slot_stride, x_tok_stride, rp, tab_ptr, n_chunks,
+    rp = w_ptr + _matrix(ids_ptr, slot, HAS_IDS) * w_slot_stride + rows_c * w_row_stride + s * (n_chunks * CHUNK_W)
+    xp = x_ptr + slot * x_slot_stride + s * (n_chunks * CHUNK_X)
+    res = _tile(xp, x_tok_stride, rp, tab_ptr, n_chunks,
                 DECODE, RANK, CHUNK_W, CHUNK_X, NB, BN, T, T_PAD, GDC and not HAS_IDS)
-    _store(out_ptr + slot * out_slot_stride, res, rows, N, out_tok_stride, T, T_PAD)
+    if SPLIT > 1:
+        tile = slot * tl.num_programs(0) + pid
+        res, last = _split_sum(res, part_ptr + tile * (SPLIT * BN * T_PAD), cnt_ptr + tile, s, SPLIT, BN, T_PAD)
+        _store(out_ptr + slot * out_slot_stride, res, rows, N * last, out_tok_stride, T, T_PAD)  # last stores
+    else:
+        _store(out_ptr + slot * out_slot_stride, res, rows, N, out_tok_stride, T, T_PAD)
 
 
 @triton.jit
@@ -326,38 +358,46 @@ def _act(g, ACT: tl.constexpr):
 
 @triton.jit
 def _glu_kernel(
-    x_ptr, g_ptr, u_ptr, ids_ptr, tab_ptr, out_ptr,
+    x_ptr, g_ptr, u_ptr, ids_ptr, tab_ptr, out_ptr, part_ptr, cnt_ptr,
     N, n_chunks,
     g_row_stride, u_row_stride, g_slot_stride, u_slot_stride, x_tok_stride, x_slot_stride,
     out_tok_stride, out_slot_stride,
     DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr, NB: tl.constexpr,
     BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr,
-    ACT: tl.constexpr, ALIGN: tl.constexpr, GDC: tl.constexpr = False,
+    ACT: tl.constexpr, ALIGN: tl.constexpr, SPLIT: tl.constexpr = 1, GDC: tl.constexpr = False,
 ):
     """out[slot, t, rows] = act(G[rows] . x) * (U[rows] . x), G and U the gate and up matrices of `slot`.
 
     One tile of 2*BN rows: the first BN point into G, the last BN at the same rows of U, so one decode loop
     serves both and x is loaded once. The product is rounded as the model computes it in out's dtype: g and u
     rounded to it, act(g) computed in fp32 and rounded, the product (exact in fp32 for 16-bit inputs) rounded
-    once more at the store; with an fp32 output every rounding is a no-op. GDC: as `_gemv_kernel`."""
+    once more at the store; with an fp32 output every rounding is a no-op. GDC, SPLIT: as `_gemv_kernel` (the
+    activation is applied to the summed splits)."""
     pdl.started(GDC)
     if HAS_IDS:
         pdl.wait(GDC)
     pid = tl.program_id(0)
     slot = tl.program_id(1).to(tl.int64)
+    s = tl.program_id(2)
     r = tl.arange(0, 2 * BN)
     rows_c = tl.minimum(pid * BN + r % BN, N - 1).to(tl.int64)
     mat = _matrix(ids_ptr, slot, HAS_IDS)
     rp = tl.where(r < BN, g_ptr + mat * g_slot_stride + rows_c * g_row_stride,
-                  u_ptr + mat * u_slot_stride + rows_c * u_row_stride)
+                  u_ptr + mat * u_slot_stride + rows_c * u_row_stride) + s * (n_chunks * CHUNK_W)
     if ALIGN > 1:  # both matrices' rows start ALIGN-aligned (the launcher checked): keep vector loads
         rp = tl.multiple_of(rp, ALIGN)
-    res = _tile(x_ptr + slot * x_slot_stride, x_tok_stride, rp, tab_ptr, n_chunks,
+    xp = x_ptr + slot * x_slot_stride + s * (n_chunks * CHUNK_X)
+    res = _tile(xp, x_tok_stride, rp, tab_ptr, n_chunks,
                 DECODE, RANK, CHUNK_W, CHUNK_X, NB, 2 * BN, T, T_PAD, GDC and not HAS_IDS)
+    last = 1
+    if SPLIT > 1:
+        tile = slot * tl.num_programs(0) + pid
+        res, last = _split_sum(res, part_ptr + tile * (SPLIT * 2 * BN * T_PAD), cnt_ptr + tile, s, SPLIT, 2 * BN,
+                               T_PAD)
     g, u = tl.split(tl.permute(tl.reshape(res, [2, BN, T_PAD]), (1, 2, 0)))
     dt: tl.constexpr = out_ptr.dtype.element_ty
     y = _rounded(_act(_rounded(g, dt), ACT), dt) * _rounded(u, dt)
-    _store(out_ptr + slot * out_slot_stride, y, pid * BN + tl.arange(0, BN), N, out_tok_stride, T, T_PAD)
+    _store(out_ptr + slot * out_slot_stride, y, pid * BN + tl.arange(0, BN), N * last, out_tok_stride, T, T_PAD)
 
 
 @triton.jit
@@ -545,10 +585,36 @@ def _row_align(g: torch.Tensor, u: torch.Tensor, *strides: int) -> int:
     return 16 if all(v % 16 == 0 for v in (g.data_ptr(), u.data_ptr(), *strides)) else 1
 
 
+SPLIT_COUNTERS = 1 << 16
+"""Row tiles a split-K launch may have (one int32 ticket counter each, per device and stream)."""
+
+_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _tickets(device: torch.device) -> torch.Tensor:
+    """The split-K ticket counters of the current stream on `device`: zeros, and back to zero after every launch
+    (the last program of each tile resets its counter). One buffer per stream, because launches on different
+    streams (`Ops.branches`) run at the same time; made once and kept (a graph captured with it keeps using it)."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    if key not in _counters:
+        _counters[key] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+    return _counters[key]
+
+
+def _split(split_k: int | None, n_chunks: int, tiles: int) -> int:
+    """The K split of a launch: `split_k` (1 when None), lowered until it divides the chunk count; 1 when the
+    tiles would not fit the counters."""
+    sk = max(1, split_k or 1)
+    while n_chunks % sk:
+        sk -= 1
+    return sk if tiles <= SPLIT_COUNTERS else 1
+
+
 def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None, out: torch.Tensor,
             n: int, k: int, slots: int, n_tok: int, w_slot_stride: int, x_slot_stride: int,
             out_slot_stride: int, block_n: int | None, num_warps: int | None,
-            up: torch.Tensor | None = None, up_slot_stride: int = 0, act: str = "silu") -> None:
+            up: torch.Tensor | None = None, up_slot_stride: int = 0, act: str = "silu",
+            split_k: int | None = None) -> None:
     """One launch of the plain kernel, or of the GLU kernel when `up` is given (w is then the gate)."""
     if n == 0 or slots == 0 or n_tok == 0:
         return
@@ -556,26 +622,37 @@ def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | N
         t = t.small_form
     n_chunks, dec = _decode_args(t, k)
     bn = _rows(t, n_tok, block_n, n * slots)
-    consts = dict(dec, T=n_tok, T_PAD=triton.next_power_of_2(n_tok), HAS_IDS=ids is not None,
+    if up is not None:
+        bn = max(2, bn // 2)  # rows of each matrix: the tile of gate and up rows is the plain kernel's
+    t_pad = triton.next_power_of_2(n_tok)
+    tiles = triton.cdiv(n, bn) * slots
+    sk = _split(split_k, n_chunks, tiles)
+    consts = dict(dec, T=n_tok, T_PAD=t_pad, HAS_IDS=ids is not None, SPLIT=sk,
                   num_warps=_warps(t, n_tok, num_warps, n * slots), **pdl.launch(x.device))
     ids = ids if ids is not None else w
+    if sk > 1:
+        part = torch.empty(tiles * sk * (bn if up is None else 2 * bn) * t_pad, dtype=torch.float32, device=w.device)
+        cnt = _tickets(w.device)
+    else:
+        part = cnt = out  # unused
+    grid = (triton.cdiv(n, bn), slots, sk)
     if up is None:
-        _gemv_kernel[(triton.cdiv(n, bn), slots)](
-            x, w, ids, _table(t, w), out, n, n_chunks,
+        _gemv_kernel[grid](
+            x, w, ids, _table(t, w), out, part, cnt, n, n_chunks // sk,
             w.stride(-2), w_slot_stride, x.stride(0), x_slot_stride, out.stride(0), out_slot_stride,
             BN=bn, **consts)
     else:
-        bn = max(2, bn // 2)  # rows of each matrix: the tile of gate and up rows is the plain kernel's
-        _glu_kernel[(triton.cdiv(n, bn), slots)](
-            x, w, up, ids, _table(t, w), out, n, n_chunks,
+        align = _row_align(w, up, w.stride(-2), up.stride(-2), w_slot_stride, up_slot_stride,
+                           n_chunks // sk * dec["CHUNK_W"])
+        _glu_kernel[grid](
+            x, w, up, ids, _table(t, w), out, part, cnt, n, n_chunks // sk,
             w.stride(-2), up.stride(-2), w_slot_stride, up_slot_stride, x.stride(0), x_slot_stride,
-            out.stride(0), out_slot_stride, BN=bn, ACT=act,
-            ALIGN=_row_align(w, up, w.stride(-2), up.stride(-2), w_slot_stride, up_slot_stride), **consts)
+            out.stride(0), out_slot_stride, BN=bn, ACT=act, ALIGN=align, **consts)
 
 
 def gemv(x: torch.Tensor, w_data: torch.Tensor, type_id: int | str, K: int, out: torch.Tensor | None = None,
          out_dtype: torch.dtype = torch.float32, *, block_n: int | None = None, num_warps: int | None = None,
-         ) -> torch.Tensor:
+         split_k: int | None = None) -> torch.Tensor:
     """y = x W^T, accumulated in fp32, W read from its stored rows.
 
     x: (T, K) float32/float16/bfloat16, rows contiguous. w_data: (N, row_bytes) uint8 ggml blocks, or for
@@ -583,7 +660,8 @@ def gemv(x: torch.Tensor, w_data: torch.Tensor, type_id: int | str, K: int, out:
     (T, N) float32/bfloat16/float16 to write into; else one of out_dtype is made. Either way the result equals
     the fp32 result cast to out's dtype (one rounding, at the store). block_n, num_warps: rows (for one token;
     divided by T, rounded up to a power of two, for more) and warps per program, to override the defaults (for
-    tuning). Tokens go 8 per launch."""
+    tuning); split_k: programs per row tile, each over 1/split_k of K (see `_gemv_kernel`; lowered to a divisor
+    of the row's chunk count). Tokens go 8 per launch."""
     t = gemv_type(type_id)
     w = _weights(t, w_data, K, 2)
     _check_x(x, K, w)
@@ -591,13 +669,15 @@ def gemv(x: torch.Tensor, w_data: torch.Tensor, type_id: int | str, K: int, out:
     out = _out(out, (n_tok, n), w.device, out_dtype)
     for t0 in range(0, n_tok, MAX_TOKENS):
         t1 = min(n_tok, t0 + MAX_TOKENS)
-        _launch(t, x[t0:t1], w, None, out[t0:t1], n, K, 1, t1 - t0, 0, 0, 0, block_n, num_warps)
+        _launch(t, x[t0:t1], w, None, out[t0:t1], n, K, 1, t1 - t0, 0, 0, 0, block_n, num_warps,
+                split_k=split_k)
     return out
 
 
 def gemv_experts(x: torch.Tensor, w_data: torch.Tensor, expert_ids: torch.Tensor, type_id: int | str, K: int,
                  out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32, *,
-                 block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                 block_n: int | None = None, num_warps: int | None = None, split_k: int | None = None,
+                 ) -> torch.Tensor:
     """out[i] = W[expert_ids[i]] x[i] (or x[0] for every i when x has one row), all k experts in one launch.
 
     w_data: (E, N, row_bytes) uint8 expert stack (or (E, N, K) typed for dense types). expert_ids: (k,) int32/int64
@@ -610,13 +690,14 @@ def gemv_experts(x: torch.Tensor, w_data: torch.Tensor, expert_ids: torch.Tensor
     n = w.shape[1]
     out = _out(out, (k_sel, n), w.device, out_dtype)
     _launch(t, x, w, expert_ids, out, n, K, k_sel, 1, w.stride(0), x_slot_stride, out.stride(0), block_n,
-            num_warps)
+            num_warps, split_k=split_k)
     return out
 
 
 def gemv_glu(x: torch.Tensor, gate_data: torch.Tensor, up_data: torch.Tensor, type_id: int | str, K: int,
              out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32, act: str = "silu", *,
-             block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+             block_n: int | None = None, num_warps: int | None = None, split_k: int | None = None,
+             ) -> torch.Tensor:
     """y = act(x G^T) * (x U^T), the gate/up half of a gated MLP, in one launch per 8 tokens (not three).
 
     gate_data, up_data: (I, row_bytes) each, of one storage type, as `gemv`'s w_data; two tensors or two views of
@@ -635,14 +716,15 @@ def gemv_glu(x: torch.Tensor, gate_data: torch.Tensor, up_data: torch.Tensor, ty
     out = _out(out, (n_tok, n), g.device, out_dtype)
     for t0 in range(0, n_tok, MAX_TOKENS):
         t1 = min(n_tok, t0 + MAX_TOKENS)
-        _launch(t, x[t0:t1], g, None, out[t0:t1], n, K, 1, t1 - t0, 0, 0, 0, block_n, num_warps, u, 0, act)
+        _launch(t, x[t0:t1], g, None, out[t0:t1], n, K, 1, t1 - t0, 0, 0, 0, block_n, num_warps, u, 0, act,
+                split_k)
     return out
 
 
 def gemv_experts_glu(x: torch.Tensor, gate_data: torch.Tensor, up_data: torch.Tensor, expert_ids: torch.Tensor,
                      type_id: int | str, K: int, out: torch.Tensor | None = None,
                      out_dtype: torch.dtype = torch.float32, act: str = "silu", *, block_n: int | None = None,
-                     num_warps: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, split_k: int | None = None) -> torch.Tensor:
     """out[i] = act(G[e] x_i) * (U[e] x_i), e = expert_ids[i], x_i = x[i] (or x[0] when x has one row): the
     gate/up half of all k routed experts in one launch.
 
@@ -656,5 +738,5 @@ def gemv_experts_glu(x: torch.Tensor, gate_data: torch.Tensor, up_data: torch.Te
     n = g.shape[1]
     out = _out(out, (k_sel, n), g.device, out_dtype)
     _launch(t, x, g, expert_ids, out, n, K, k_sel, 1, g.stride(0), x_slot_stride, out.stride(0), block_n,
-            num_warps, u, u.stride(0), act)
+            num_warps, u, u.stride(0), act, split_k)
     return out

@@ -187,6 +187,36 @@ def decode_q5_1(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
+def _spread4(h):
+    """Bits 0-3 of int32 h moved to bit 4 of bytes 0-3 (one multiply: the four shifted copies do not overlap)."""
+    return ((h & 15) * 0x02040810) & 0x10101010
+
+
+@triton.jit
+def decode_q5_1_w(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """Q5_1 with the 5th bits merged four at a time: the low (high) nibbles of qs word k are elements 4k + j
+    (16 + 4k + j), whose 5th bits are bits 4k + j (16 + 4k + j) of qh; `_spread4` puts the four of a word at bit
+    4 of its bytes, so each byte holds a whole 5-bit code. [BN, NB, 4, 2, 2, 2] as `decode_q5_1`."""
+    b = tl.arange(0, NB)
+    k = tl.arange(0, 4)
+    blk = rp[:, None] + b[None, :] * 24
+    d = _f16(blk)[:, :, None]
+    m = _f16(blk + 2)[:, :, None]
+    qh = _i32(blk + 4)[:, :, None]
+    v = tl.load((blk + 8).to(tl.pointer_type(tl.int32))[:, :, None] + k[None, None, :])
+    e = 4 * k[None, None, :]
+    lo = (v & 0x0F0F0F0F) | _spread4(qh >> e)
+    hi = ((v >> 4) & 0x0F0F0F0F) | _spread4(qh >> (e + 16))
+    wl = _j4(_byte(lo, 0), _byte(lo, 8), _byte(lo, 16), _byte(lo, 24))
+    wh = _j4(_byte(hi, 0), _byte(hi, 8), _byte(hi, 16), _byte(hi, 24))
+    base = b[:, None] * 32 + 4 * k[None, :]
+    xl = _j4(base, base + 1, base + 2, base + 3)
+    return (tl.join(_i2f(wl, 0.0) * d[:, :, :, None, None] + m[:, :, :, None, None],
+                    _i2f(wh, 0.0) * d[:, :, :, None, None] + m[:, :, :, None, None]),
+            tl.join(xl, xl + 16))
+
+
+@triton.jit
 def decode_iq4_nl(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
     """IQ4_NL: Q4_0's layout, but the nibble indexes a 16-value non-linear code (tab, fp32): w = d code[q].
     [BN, NB, 2 = nibble, 16]."""
