@@ -20,7 +20,6 @@ loaded in the weight tile's layout) and their timings are in bench/results/2026-
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
@@ -31,7 +30,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from strata.kernels import gemv as G  # noqa: E402
-from strata.kernels import gemv_blocks as gb  # noqa: E402
 from strata.runtime.bench import copy_bandwidth  # noqa: E402
 from strata.weights import quants  # noqa: E402
 from tools.gpu_check_gemv import time_graph  # noqa: E402
@@ -45,8 +43,7 @@ def skel_gemv(t: G.GemvType, x, w, k, out, bn, nw, sk=None) -> None:
     G._launch(t, x, w, None, out, w.shape[0], k, 1, x.shape[0], 0, 0, 0, bn, nw, split_k=sk)
 
 
-LAB_TYPES = {"Q4_K_BYTES": G._Q4_K_BYTES,
-             "Q5_1_W": dataclasses.replace(G.gemv_type("Q5_1"), name="Q5_1_W", decode=gb.decode_q5_1_w)}
+LAB_TYPES = {"Q4_K_BYTES": G._Q4_K_BYTES}
 """Decoders not in the production table, by name: Q4_K_BYTES is Q4_K's byte-wise form, which production keeps
 for small one-token launches only. (Rejected candidates and their timings: bench/results/*gemv-lab*.json.)"""
 
@@ -76,8 +73,6 @@ SUITE = [
     ("F32", [(513, 2560)], _SPLITS + [("bn4 sk5", 4, 4, 5), ("bn8 sk5", 8, 4, 5)]),
     ("Q8_0", [(2560, 6144)], _SPLITS + [("sk3", None, None, 3), ("sk6", None, None, 6), ("bn8 sk6", 8, 4, 6)]),
     ("Q8_0", [(2560, 640)], [_D, ("sk2", None, None, 2), ("sk4", None, None, 4)]),
-    ("Q5_1", [(2560, 640)], [_D]),
-    ("Q5_1_W", [(2560, 640)], [_D]),
     ("Q8_0_R8", [(16432, 2560)], [_D, ("sk2", None, None, 2), ("sk5", None, None, 5)]),
     ("Q6_K", [(248320, 2560)], [_D, ("bn4 w4", 4, 4, None), ("bn16 w4", 16, 4, None), ("bn8 w8", 8, 8, None)]),
 ]
@@ -86,8 +81,7 @@ at the decode step's shapes (router, out projection, shared-expert down, GDN pro
 EXPERTS = [("Q4_K", 640, 2560, "glu", [("default", None, None), ("bn16", 16, None), ("sk2", None, 2),
                                         ("sk5", None, 5), ("bn16 sk2", 16, 2), ("bn16 sk5", 16, 5)]),
            ("Q5_1", 2560, 640, "down", [("default", None, None), ("bn16", 16, None), ("sk5", None, 5),
-                                         ("bn16 sk5", 16, 5), ("bn32 sk5", 32, 5)]),
-           ("Q5_1_W", 2560, 640, "down", [("default", None, None), ("bn16", 16, None), ("bn16 sk5", 16, 5)])]
+                                         ("bn16 sk5", 16, 5), ("bn32 sk5", 32, 5)])]
 """Routed-expert launches at the real shapes (10 of 256 experts): gate/up GLU and the per-slot down projection,
 (label, block_n, split_k) variants."""
 GLU_SUITE = [("Q8_0", [(640, 2560)])]

@@ -69,6 +69,8 @@ class GemvType:
     small: (rows, warps) for one token when a launch covers at most SMALL_LAUNCH_ROWS rows in all: there too few
         programs stream too few bytes each, so fewer rows per program (more programs) win.
     small_form: another decoder of the same bytes used for those small launches, where it measured faster.
+    small_split: (plain, GLU) K splits for those small launches (split-K: more programs with shorter loops).
+    slots_block_n: rows per program of one-token expert launches (several matrices chosen by id), if not block_n.
     dense_dtype: the element type of dense rows (None for block types).
     f16_fields: byte offsets of the fp16 scale fields in a block (for making random blocks with sane scales).
     """
@@ -87,6 +89,8 @@ class GemvType:
     dense_dtype: torch.dtype | None = None
     f16_fields: tuple[int, ...] = ()
     small_form: GemvType | None = None
+    small_split: tuple[int, int] = (1, 1)
+    slots_block_n: int | None = None
 
 
 _Q4_K_BYTES = GemvType("Q4_K", 12, 256, 144, gb.decode_q4_k, 5, 2, block_n=8, num_warps=8, small=(2, 4),
@@ -98,14 +102,17 @@ _TYPE_LIST: tuple[GemvType, ...] = (
     # name, ggml id, block elems, block bytes, decoder, tile rank, max blocks per chunk, then rows/warps per program
     # where not 16/4 (the fastest of a sweep at K=2560, N=8192, one token, on an H200; Q8_0 and Q4_K re-swept at
     # N x K = 10240x2560, 2560x6144 and 640x2560 by tools/gemv_lab.py: more blocks per loop step, fewer rows)
-    GemvType("F32", 0, 1, 4, gb.decode_dense, 2, 256, small=(2, 4), dense_dtype=torch.float32),
+    # small_split / slots_block_n: bench/results/2026-12-02-h200-gemv-lab-7a3ad10.json (F32 router 513x2560 split
+    # 5: 5.5 -> 3.6 us; Q8_0 shared-expert GLU 640x2560 split 5: 7.6 -> 5.3 us; Q5_1 expert down, 10 slots of
+    # 2560x640, 16 rows per program: 12.1 -> 10.4 us)
+    GemvType("F32", 0, 1, 4, gb.decode_dense, 2, 256, small=(2, 4), dense_dtype=torch.float32, small_split=(5, 1)),
     GemvType("F16", 1, 1, 2, gb.decode_dense, 2, 512, dense_dtype=torch.float16),
     GemvType("BF16", 30, 1, 2, gb.decode_dense, 2, 512, dense_dtype=torch.bfloat16),
     GemvType("Q4_0", 2, 32, 18, gb.decode_q4_0, 4, 8, block_n=8, f16_fields=(0,)),
     GemvType("Q4_1", 3, 32, 20, gb.decode_q4_1, 6, 8, num_warps=8, f16_fields=(0, 2)),
     GemvType("Q5_0", 6, 32, 22, gb.decode_q5_0, 5, 8, f16_fields=(0,)),
-    GemvType("Q5_1", 7, 32, 24, gb.decode_q5_1, 6, 8, block_n=8, f16_fields=(0, 2)),
-    GemvType("Q8_0", 8, 32, 34, gb.decode_q8_0, 3, 32, block_n=4, f16_fields=(0,)),
+    GemvType("Q5_1", 7, 32, 24, gb.decode_q5_1, 6, 8, block_n=8, f16_fields=(0, 2), slots_block_n=16),
+    GemvType("Q8_0", 8, 32, 34, gb.decode_q8_0, 3, 32, block_n=4, f16_fields=(0,), small_split=(1, 5)),
     GemvType("IQ4_NL", 20, 32, 18, gb.decode_iq4_nl, 4, 8, table="IQ4", f16_fields=(0,)),
     GemvType("Q2_0", 42, 64, 18, gb.decode_q2_0, 6, 4, f16_fields=(0,)),
     GemvType("Q2_K", 10, 256, 84, gb.decode_q2_k, 5, 1, f16_fields=(80, 82)),
@@ -554,13 +561,16 @@ def _small(t: GemvType, n_tok: int, total_rows: int) -> bool:
     return n_tok == 1 and t.small is not None and total_rows <= SMALL_LAUNCH_ROWS
 
 
-def _rows(t: GemvType, n_tok: int, block_n: int | None, total_rows: int = 1 << 30) -> int:
-    """Rows per program for n_tok tokens in a launch over total_rows rows (see MULTI_TOKEN_ROWS, `small`)."""
+def _rows(t: GemvType, n_tok: int, block_n: int | None, total_rows: int = 1 << 30, slots: bool = False) -> int:
+    """Rows per program for n_tok tokens in a launch over total_rows rows (see MULTI_TOKEN_ROWS, `small`,
+    `slots_block_n`)."""
     t_pad = triton.next_power_of_2(n_tok)
     if block_n is not None:
         return max(2, block_n // t_pad)
     if _small(t, n_tok, total_rows):
         return t.small[0]
+    if n_tok == 1 and slots and t.slots_block_n:
+        return t.slots_block_n
     return t.block_n if n_tok == 1 else max(MULTI_TOKEN_ROWS, t.block_n // t_pad)
 
 
@@ -621,11 +631,13 @@ def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | N
     if t.small_form is not None and _small(t, n_tok, n * slots):
         t = t.small_form
     n_chunks, dec = _decode_args(t, k)
-    bn = _rows(t, n_tok, block_n, n * slots)
+    bn = _rows(t, n_tok, block_n, n * slots, ids is not None)
     if up is not None:
         bn = max(2, bn // 2)  # rows of each matrix: the tile of gate and up rows is the plain kernel's
     t_pad = triton.next_power_of_2(n_tok)
     tiles = triton.cdiv(n, bn) * slots
+    if split_k is None and _small(t, n_tok, n * slots):
+        split_k = t.small_split[up is not None]
     sk = _split(split_k, n_chunks, tiles)
     consts = dict(dec, T=n_tok, T_PAD=t_pad, HAS_IDS=ids is not None, SPLIT=sk,
                   num_warps=_warps(t, n_tok, num_warps, n * slots), **pdl.launch(x.device))

@@ -162,41 +162,18 @@ def decode_q5_0(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def decode_q5_1(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
-    """Q5_1: {fp16 d, m; uint32 qh; qs[16]}, w = d q + m; qh and qs are 4-byte aligned (24-byte blocks): int32
-    words. [BN, NB, 4, 2, 2 = byte, 2 = nibble]."""
-    b = tl.arange(0, NB)
-    k = tl.arange(0, 4)
-    blk = rp[:, None] + b[None, :] * 24
-    d = _f16(blk)[:, :, None]
-    m = _f16(blk + 2)[:, :, None]
-    qh = _i32(blk + 4)[:, :, None]
-    v = tl.load((blk + 8).to(tl.pointer_type(tl.int32))[:, :, None] + k[None, None, :])
-    e = 4 * k[None, None, :]
-    lo = _j4(_i2f((v & 15) | (((qh >> e) & 1) << 4), 0.0) * d + m,
-             _i2f(((v >> 8) & 15) | (((qh >> (e + 1)) & 1) << 4), 0.0) * d + m,
-             _i2f(((v >> 16) & 15) | (((qh >> (e + 2)) & 1) << 4), 0.0) * d + m,
-             _i2f(((v >> 24) & 15) | (((qh >> (e + 3)) & 1) << 4), 0.0) * d + m)
-    hi = _j4(_i2f(((v >> 4) & 15) | (((qh >> (e + 16)) & 1) << 4), 0.0) * d + m,
-             _i2f(((v >> 12) & 15) | (((qh >> (e + 17)) & 1) << 4), 0.0) * d + m,
-             _i2f(((v >> 20) & 15) | (((qh >> (e + 18)) & 1) << 4), 0.0) * d + m,
-             _i2f(((v >> 28) & 15) | (((qh >> (e + 19)) & 1) << 4), 0.0) * d + m)
-    base = b[:, None] * 32 + 4 * k[None, :]
-    xl = _j4(base, base + 1, base + 2, base + 3)
-    return tl.join(lo, hi), tl.join(xl, xl + 16)
-
-
-@triton.jit
 def _spread4(h):
     """Bits 0-3 of int32 h moved to bit 4 of bytes 0-3 (one multiply: the four shifted copies do not overlap)."""
     return ((h & 15) * 0x02040810) & 0x10101010
 
 
 @triton.jit
-def decode_q5_1_w(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
-    """Q5_1 with the 5th bits merged four at a time: the low (high) nibbles of qs word k are elements 4k + j
-    (16 + 4k + j), whose 5th bits are bits 4k + j (16 + 4k + j) of qh; `_spread4` puts the four of a word at bit
-    4 of its bytes, so each byte holds a whole 5-bit code. [BN, NB, 4, 2, 2, 2] as `decode_q5_1`."""
+def decode_q5_1(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """Q5_1: {fp16 d, m; uint32 qh; qs[16]}, w = d q + m; qh and qs are 4-byte aligned (24-byte blocks): int32
+    words. The low (high) nibbles of qs word k are elements 4k + j (16 + 4k + j), whose 5th bits are bits 4k + j
+    (16 + 4k + j) of qh; `_spread4` puts the four of a word at bit 4 of its bytes, so each byte then holds a whole
+    5-bit code (18% fewer instructions per weight than merging bit by bit; 10 expert down projections of 2560 x
+    640: 12.2 -> 10.4 us on an H200). [BN, NB, 4, 2, 2 = byte, 2 = nibble]."""
     b = tl.arange(0, NB)
     k = tl.arange(0, 4)
     blk = rp[:, None] + b[None, :] * 24
