@@ -190,17 +190,18 @@ def bench_decode(model: Model, context: int, tokens: int = 64, runs: int = 3, se
         per_token_ms.append(a.elapsed_time(b) / tokens)
     # the host's share of a token: staging (hash, table rows, copies), the replay call, waiting for the token
     host = {"stage": 0.0, "replay_call": 0.0, "token_wait": 0.0}
-    for _ in range(tokens):
-        t0 = time.perf_counter()
-        step._stage(tok)
-        t1 = time.perf_counter()
-        step.graph.replay()
-        t2 = time.perf_counter()
-        tok = int(step.outs["logits"][1])
-        t3 = time.perf_counter()
-        host["stage"] += (t1 - t0) * 1e3 / tokens
-        host["replay_call"] += (t2 - t1) * 1e3 / tokens
-        host["token_wait"] += (t3 - t2) * 1e3 / tokens
+    with torch.inference_mode():
+        for _ in range(tokens):
+            t0 = time.perf_counter()
+            step._stage(tok)
+            t1 = time.perf_counter()
+            step.graph.replay()
+            t2 = time.perf_counter()
+            tok = int(step.outs["logits"][1])
+            t3 = time.perf_counter()
+            host["stage"] += (t1 - t0) * 1e3 / tokens
+            host["replay_call"] += (t2 - t1) * 1e3 / tokens
+            host["token_wait"] += (t3 - t2) * 1e3 / tokens
     # device-only: replays back to back, no host work between them
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
