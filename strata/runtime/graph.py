@@ -53,20 +53,32 @@ class DecodeStep:
             raise StrataError(f"a decode step needs a state allocated at a fixed capacity of {capacity} positions")
         self.state: SequenceState = state if state is not None else self.model.new_state(capacity)
         dev, cfg = model.device, model.cfg
-        self.inputs = StepInputs(
-            ids=torch.zeros(1, dtype=torch.int64, device=dev),
-            positions=torch.zeros(1, dtype=torch.int64, device=dev),
-            n_keys=capacity,
-            ple={i: torch.zeros_like(self._stored_row_form(i), device=dev) for i in cfg.ple},
-        )
+        # The static inputs are views of one device buffer, filled from one page-locked buffer of the same layout
+        # by one copy per token: the id and the position (int64), then each PLE layer's stored rows.
+        forms = {i: self._stored_row_form(i) for i in cfg.ple}
+        offsets, size = {}, 16
+        for i, f in forms.items():
+            offsets[i] = size
+            size += -(-f.numel() * f.element_size() // 16) * 16
+        pin = dev.type == "cuda"
+        self._packed = torch.zeros(size, dtype=torch.uint8, device=dev)
+        self._host = torch.zeros(size, dtype=torch.uint8, pin_memory=pin)
+        self._host_ints = self._host[:16].view(torch.int64).numpy()  # [id, position], written without torch ops
+
+        def view(buf: torch.Tensor, i: int) -> torch.Tensor:
+            f = forms[i]
+            return buf[offsets[i]:offsets[i] + f.numel() * f.element_size()].view(f.dtype).view(f.shape)
+
+        self.inputs = StepInputs(ids=self._packed[0:8].view(torch.int64), positions=self._packed[8:16].view(torch.int64),
+                                 n_keys=capacity, ple={i: view(self._packed, i) for i in cfg.ple})
+        self._host_ple = {i: view(self._host, i) for i in cfg.ple}
         self.capture = dev.type == "cuda" if capture is None else capture
         if self.capture and dev.type != "cuda":
             raise StrataError("graph capture needs a CUDA device")
         # One graph per way of ending the step: "logits" (logits and their argmax, for greedy decoding and for
         # host-side samplers) and "sampled" (a draw by `self.sampler` too). Each holds its own output buffers.
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
-        self._host: dict | None = None  # page-locked staging buffers, made on the first step
-        self._copied: torch.cuda.Event | None = None  # recorded after the last copies out of them
+        self._copied: torch.cuda.Event | None = None  # recorded after the last copy out of the host buffer
         self.outs: dict[str, tuple[torch.Tensor, ...]] = {}
         self._sampler = None
 
@@ -101,26 +113,19 @@ class DecodeStep:
         return logits, logits.argmax()
 
     def _stage(self, token: int) -> None:
-        """Host work for the token into page-locked buffers, copied to the static inputs asynchronously; the
-        buffers are rewritten only once the previous step's copies are done."""
+        """Host work for the token into the page-locked buffer, copied to the static inputs asynchronously (one
+        copy); the buffer is rewritten only once the previous step's copy is done."""
         if self.state.length >= self.capacity:
             raise StrataError(f"the sequence reached the decode capacity of {self.capacity} tokens")
+        position = self.state.length
         staged = self.model.stage(torch.tensor([token], dtype=torch.int64), self.state, to_device=False)
-        if self._host is None:
-            pin = self.model.device.type == "cuda"
-            self._host = {"ids": torch.empty(1, dtype=torch.int64, pin_memory=pin),
-                          "positions": torch.empty(1, dtype=torch.int64, pin_memory=pin),
-                          **{i: torch.empty_like(e, pin_memory=pin) for i, e in staged.ple.items()}}
-        host = self._host
         if self._copied is not None:
             self._copied.synchronize()
-        host["ids"].copy_(staged.ids)
-        host["positions"].copy_(staged.positions)
-        self.inputs.ids.copy_(host["ids"], non_blocking=True)
-        self.inputs.positions.copy_(host["positions"], non_blocking=True)
+        self._host_ints[0] = token
+        self._host_ints[1] = position
         for i, e in staged.ple.items():
-            host[i].copy_(e)
-            self.inputs.ple[i].copy_(host[i], non_blocking=True)
+            self._host_ple[i].copy_(e)
+        self._packed.copy_(self._host, non_blocking=True)
         if self.model.device.type == "cuda":
             self._copied = self._copied or torch.cuda.Event()
             self._copied.record()

@@ -79,9 +79,13 @@ class QuantTensor(StoredTensor):
     def stored_rows(self, index: torch.Tensor) -> torch.Tensor:
         if len(self.shape) != 2:
             raise WeightError(f"{self.name}: stored_rows() needs a 2-D tensor, this one is {self.shape}")
-        flat = index.reshape(-1).to(torch.int64)
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.shape[0]):
-            raise WeightError(f"{self.name}: row index out of range [0, {self.shape[0]})")
+        flat = index.reshape(-1)
+        if flat.dtype != torch.int64:
+            flat = flat.to(torch.int64)
+        if flat.numel():
+            lo, hi = torch.aminmax(flat)
+            if int(lo) < 0 or int(hi) >= self.shape[0]:
+                raise WeightError(f"{self.name}: row index out of range [0, {self.shape[0]})")
         return self.data.index_select(0, flat.to(self.data.device)).reshape(*index.shape, self.data.shape[-1])
 
     def decode_rows(self, stored: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
