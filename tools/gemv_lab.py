@@ -11,7 +11,8 @@ larger than L2 (so every byte comes from HBM), as GB/s of stored bytes and a fra
 
 The suites hold what the last experiment compared; earlier variants (a tensor-core dot per block, a factored
 Q8_0 decoder, pipelined K loops, Q8_0_R8 with one scale per int32 word, Q4_K with only its nibbles as words, x
-loaded in the weight tile's layout) and their timings are in bench/results/2026-12-02-h200-gemv-lab*.json.
+loaded in the weight tile's layout, Q6_K read as uint16: 524 against 402 us at the head's shape) and their
+timings are in bench/results/2026-12-02-h200-gemv-lab*.json.
 
     python tools/gemv_lab.py --out lab.json            # under a minute on an H200
     python tools/gemv_lab.py --types Q4_K,Q8_0 --no-experts --no-glu
@@ -20,7 +21,6 @@ loaded in the weight tile's layout) and their timings are in bench/results/2026-
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
@@ -31,7 +31,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from strata.kernels import gemv as G  # noqa: E402
-from strata.kernels import gemv_blocks as gb  # noqa: E402
 from strata.runtime.bench import copy_bandwidth  # noqa: E402
 from strata.weights import quants  # noqa: E402
 from tools.gpu_check_gemv import time_graph  # noqa: E402
@@ -45,8 +44,7 @@ def skel_gemv(t: G.GemvType, x, w, k, out, bn, nw, sk=None) -> None:
     G._launch(t, x, w, None, out, w.shape[0], k, 1, x.shape[0], 0, 0, 0, bn, nw, split_k=sk)
 
 
-LAB_TYPES = {"Q4_K_BYTES": G._Q4_K_BYTES,
-             "Q6_K_H": dataclasses.replace(G.gemv_type("Q6_K"), name="Q6_K_H", decode=gb.decode_q6_k_h, rank=6)}
+LAB_TYPES = {"Q4_K_BYTES": G._Q4_K_BYTES}
 """Decoders not in the production table, by name: Q4_K_BYTES is Q4_K's byte-wise form, which production keeps
 for small one-token launches only. (Rejected candidates and their timings: bench/results/*gemv-lab*.json.)"""
 
@@ -78,7 +76,6 @@ SUITE = [
     ("Q8_0", [(2560, 640)], [_D, ("sk2", None, None, 2), ("sk4", None, None, 4)]),
     ("Q8_0_R8", [(16432, 2560)], [_D, ("sk2", None, None, 2), ("sk5", None, None, 5)]),
     ("Q6_K", [(248320, 2560)], [_D, ("bn16 w4", 16, 4, None)]),
-    ("Q6_K_H", [(248320, 2560)], [_D, ("bn16 w4", 16, 4, None), ("bn4 w4", 4, 4, None)]),
 ]
 """(type, [(N, K)], [(label, block_n, num_warps, split_k)]): the production defaults against other launch shapes
 at the decode step's shapes (router, out projection, shared-expert down, GDN projections, head)."""

@@ -372,30 +372,6 @@ def decode_q6_k(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def decode_q6_k_h(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
-    """`decode_q6_k` reading ql and qh as uint16 (every field of the 210-byte block is 2-byte aligned): half the
-    loads. Element e = 128h + 64n + 32a + 16l + 2j + b takes byte b of the uint16s at ql[64h + 32a + 16l + 2j] and
-    qh[32h + 16l + 2j]. Tile [BN, 4 = (h, a), 2 = n, 2 = l, 8 = j, 2 = b]."""
-    g = tl.arange(0, 4)[:, None, None, None]
-    n = tl.arange(0, 2)[None, :, None, None]
-    lh = tl.arange(0, 2)[None, None, :, None]
-    j = tl.arange(0, 8)[None, None, None, :]
-    h = g // 2
-    a = g % 2
-    rp5 = rp[:, None, None, None, None]
-    ql = _u16(rp5 + (g * 32 + lh * 16 + 2 * j)[None])
-    qh = _u16(rp5 + (128 + h * 32 + lh * 16 + 2 * j)[None])
-    sn = (4 * n)[None]
-    sh = (4 * n + 2 * a)[None]
-    q0 = ((ql >> sn) & 15) | (((qh >> sh) & 3) << 4)
-    q1 = ((ql >> (sn + 8)) & 15) | (((qh >> (sh + 8)) & 3) << 4)
-    s = h * 8 + n * 4 + a * 2 + lh  # [4, 2, 2, 1]
-    scale = _i2f(_u8(rp5 + 192 + s[None]) ^ 0x80, 128.0) * _f16(rp + 208)[:, None, None, None, None]
-    base = h * 128 + n * 64 + a * 32 + lh * 16 + 2 * j
-    return tl.join(_i2f(q0, 32.0) * scale, _i2f(q1, 32.0) * scale), tl.join(base, base + 1)
-
-
-@triton.jit
 def _k2_tile():
     """Index tiles of the 2-bit k-quants' [BN, 2 = h, 4 = plane, 2 = l, 16 = m] order: element
     128h + 32 plane + 16l + m, byte 32h + 16l + m of the 64 plane-packed bytes, scale 8h + 2 plane + l."""
