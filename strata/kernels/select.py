@@ -162,7 +162,13 @@ def _select_kernel(s_ptr, pos_ptr, idx_ptr, ok_ptr, NB, K, s_sl, s_il, s_ol,
         tl.store(out_i + at, first[:, None] + j[None, :], mask=sm & (j[None, :] > 0))
         tl.store(out_o + at, (fin[:, None] & jm[None, :]).to(tl.int8), mask=sm)
 
-    # --- tail: the query's incomplete block (c - 1 slots), valid up to and including its own position
+    _tail(out_i, out_o, pos_ptr, l, K, C, TP)
+
+
+@triton.jit
+def _tail(out_i, out_o, pos_ptr, l, K, C: tl.constexpr, TP: tl.constexpr):
+    """The query's incomplete block after its K chosen blocks (c - 1 slots), valid up to and including its own
+    position."""
     if TP > 0:
         pos = tl.load(pos_ptr + l).to(tl.int64)
         t = tl.arange(0, TP)
@@ -228,13 +234,7 @@ def _expand_kernel(v_ptr, b_ptr, pos_ptr, idx_ptr, ok_ptr, K, s_vl, s_bl, s_il, 
         sm = rm[:, None] & jm[None, :]
         tl.store(out_i + at, blk[:, None] * C + j[None, :], mask=sm)
         tl.store(out_o + at, (fin[:, None] & jm[None, :]).to(tl.int8), mask=sm)
-    if TP > 0:
-        pos = tl.load(pos_ptr + l).to(tl.int64)
-        t = tl.arange(0, TP)
-        tok = (pos + 1) // C * C + t
-        tm = t < C - 1
-        tl.store(out_i + K * C + t, tok, mask=tm)
-        tl.store(out_o + K * C + t, (tok <= pos).to(tl.int8), mask=tm)
+    _tail(out_i, out_o, pos_ptr, l, K, C, TP)
 
 
 def expand_blocks(top_v: torch.Tensor, top_b: torch.Tensor, positions: torch.Tensor, c: int,
