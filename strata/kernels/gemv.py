@@ -596,19 +596,30 @@ def _row_align(g: torch.Tensor, u: torch.Tensor, *strides: int) -> int:
 
 
 SPLIT_COUNTERS = 1 << 16
-"""Row tiles a split-K launch may have (one int32 ticket counter each, per device and stream)."""
+"""Row tiles a split-K launch may have (one int32 ticket counter each)."""
 
-_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
+COUNTER_REGIONS = 8
+"""Streams that may run split-K launches on one device: each gets its own region of the ticket counters,
+because launches on different streams (`Ops.branches`) run at the same time."""
+
+_counters: dict[torch.device, torch.Tensor] = {}
+_regions: dict[tuple[torch.device, int], int] = {}
 
 
-def _tickets(device: torch.device) -> torch.Tensor:
-    """The split-K ticket counters of the current stream on `device`: zeros, and back to zero after every launch
-    (the last program of each tile resets its counter). One buffer per stream, because launches on different
-    streams (`Ops.branches`) run at the same time; made once and kept (a graph captured with it keeps using it)."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    if key not in _counters:
-        _counters[key] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
-    return _counters[key]
+def _tickets(device: torch.device) -> torch.Tensor | None:
+    """The split-K ticket counters of the current stream on `device` (None when every region is taken): zeros,
+    and back to zero after every launch (the last program of each tile resets its counter). One buffer per device,
+    made on first use (a decode step's warm-up, before any capture) and kept, so every captured graph uses it."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    if device not in _counters:
+        _counters[device] = torch.zeros(COUNTER_REGIONS, SPLIT_COUNTERS, dtype=torch.int32, device=device)
+    key = (device, stream)
+    if key not in _regions:
+        taken = sum(d == device for d, _ in _regions)
+        if taken >= COUNTER_REGIONS:
+            return None
+        _regions[key] = taken
+    return _counters[device][_regions[key]]
 
 
 def _split(split_k: int | None, n_chunks: int, tiles: int) -> int:
@@ -639,12 +650,14 @@ def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | N
     if split_k is None and _small(t, n_tok, n * slots):
         split_k = t.small_split[up is not None]
     sk = _split(split_k, n_chunks, tiles)
+    cnt = _tickets(w.device) if sk > 1 else None
+    if cnt is None:
+        sk = 1
     consts = dict(dec, T=n_tok, T_PAD=t_pad, HAS_IDS=ids is not None, SPLIT=sk,
                   num_warps=_warps(t, n_tok, num_warps, n * slots), **pdl.launch(x.device))
     ids = ids if ids is not None else w
     if sk > 1:
         part = torch.empty(tiles * sk * (bn if up is None else 2 * bn) * t_pad, dtype=torch.float32, device=w.device)
-        cnt = _tickets(w.device)
     else:
         part = cnt = out  # unused
     grid = (triton.cdiv(n, bn), slots, sk)

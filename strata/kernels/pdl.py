@@ -1,6 +1,6 @@
 """Programmatic dependent launch (PDL, Hopper and later): a decode kernel starts while the one before it ends.
 
-A decode step is ~1,100 short kernels in a row. Launched plainly, each waits for the previous one to finish
+A decode step is ~900 short kernels in a row. Launched plainly, each waits for the previous one to finish
 before its programs are even scheduled, then pays its ramp-up and a first DRAM round trip before any useful
 work. With PDL a kernel's programs are scheduled as soon as every program of the previous kernel has signalled
 (`started`), they issue the loads of bytes no kernel writes (stored weights), and `wait` for the previous
@@ -10,7 +10,7 @@ waited for its own predecessor, so after `wait` every earlier kernel of the stre
 The rule every kernel here follows:
 
     started(GDC)                 # first: lets the next kernel be scheduled
-    ... loads of stored weights only (when the launcher vouches for them: `PREFETCH`) ...
+    ... loads of stored weights only (no kernel launched with PDL writes them) ...
     wait(GDC)                    # before any other load and before every store
     ... the rest ...
 
@@ -18,8 +18,8 @@ With GDC False (the CPU, the Triton interpreter, GPUs before Hopper, or PDL swit
 nothing and the launch is a plain one; a kernel launched plainly may still run them (they are then no-ops).
 Capturing a step into a CUDA graph keeps the programmatic edges, so the replay overlaps kernels the same way.
 
-`launch(device)` gives the keyword arguments that switch it on for one launch; `enabled(False)` switches it off
-for the process (`strata bench --no-pdl` measures the difference).
+`launch(device)` gives the keyword arguments that switch it on for one launch; `set_enabled(False)` switches it
+off for the process and `enabled(on)` inside a block (`strata bench --no-pdl` measures the difference).
 """
 
 from __future__ import annotations
