@@ -297,13 +297,18 @@ def _split_sum(res, part, cnt, s, SPLIT: tl.constexpr, ROWS: tl.constexpr, T_PAD
 
 
 @triton.jit
+def _cast(v, dt: tl.constexpr):
+    """fp32 v cast once to dt (bfloat16 rounded to nearest even by `_rounded`, the same on every backend)."""
+    if dt == tl.bfloat16:
+        return (_rounded(v, dt).to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(dt)
+
+
+@triton.jit
 def _store(optr, v, rows, N, tok_stride, T: tl.constexpr, T_PAD: tl.constexpr):
     """out[t, rows] = v[:, t] (fp32 [BN, T_PAD]) for t < T and rows < N, cast once to out's element type."""
-    dt: tl.constexpr = optr.dtype.element_ty
-    if dt == tl.bfloat16:
-        v = (_rounded(v, dt).to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    else:
-        v = v.to(dt)
+    v = _cast(v, optr.dtype.element_ty)
     tcol = tl.arange(0, T_PAD)
     tl.store(optr + tcol[None, :] * tok_stride + rows[:, None], v, mask=(rows[:, None] < N) & (tcol[None, :] < T))
 
@@ -434,11 +439,7 @@ def _dequant_kernel(w_ptr, tab_ptr, out_ptr, R, w_row_stride, out_row_stride,
     c = tl.program_id(1)
     rows_c = tl.minimum(rows, R - 1).to(tl.int64)
     w, xo = DECODE(w_ptr + rows_c * w_row_stride + c * CHUNK_W, tab_ptr, BN, NB)
-    dt: tl.constexpr = out_ptr.dtype.element_ty
-    if dt == tl.bfloat16:
-        v = (_rounded(w, dt).to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    else:
-        v = w.to(dt)
+    v = _cast(w, out_ptr.dtype.element_ty)
     off = _trailing(rows_c * out_row_stride, RANK) + c * CHUNK_X + xo[None]
     tl.store(out_ptr + off, v, mask=_trailing(rows < R, RANK))
 

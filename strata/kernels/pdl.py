@@ -82,8 +82,8 @@ def set_enabled(on: bool) -> None:
 def enabled(on: bool) -> Iterator[None]:
     """PDL switched on or off inside the block (kernels compiled either way stay cached)."""
     before = _switch["on"]
-    _switch["on"] = bool(on)
+    set_enabled(on)
     try:
         yield
     finally:
-        _switch["on"] = before
+        set_enabled(before)

@@ -69,11 +69,8 @@ class QuantTensor(StoredTensor):
             # No host synchronisation, so a captured decode step can gather its token's row; the ids were
             # checked against the vocabulary when they were staged.
             return self._decode(self.data.index_select(0, flat), dtype).reshape(*index.shape, self.cols)
-        n = self.shape[0]
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
-            raise WeightError(f"{self.name}: row index out of range [0, {n})")
         uniq, inverse = torch.unique(flat, return_inverse=True)
-        decoded = self._decode(self.data.index_select(0, uniq.to(self.data.device)), dtype)
+        decoded = self.decode_rows(self.stored_rows(uniq), dtype)  # each distinct row decoded once
         return decoded[inverse.to(decoded.device)].reshape(*index.shape, self.cols)
 
     def stored_rows(self, index: torch.Tensor) -> torch.Tensor:

@@ -179,20 +179,9 @@ class RowConcatTensor(StoredTensor):
     def dense(self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
         return torch.cat([p.dense(dtype, device) for p in self.parts])
 
-    def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        flat = index.reshape(-1).to(torch.int64).cpu()
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.shape[0]):
-            raise WeightError(f"{self.name}: row index out of range [0, {self.shape[0]})")
-        shard = torch.searchsorted(self.starts, flat, right=True) - 1
-        out = torch.empty(flat.numel(), self.shape[1], dtype=dtype)
-        for s in torch.unique(shard).tolist():
-            sel = (shard == s).nonzero().flatten()
-            out[sel] = self.parts[s].rows(flat[sel] - self.starts[s], dtype)
-        return out.reshape(*index.shape, self.shape[1])
-
-    def stored_rows(self, index: torch.Tensor) -> torch.Tensor:
-        if self.kind == "mixed":
-            raise TypeError(f"{self.name}: shards of several storage types have no common stored row form")
+    def _by_shard(self, index: torch.Tensor, fetch) -> torch.Tensor:  # noqa: ANN001 - (part, rows) -> tensor
+        """fetch(shard, its local row indices) for the rows `index` (range-checked), put together in index order
+        on the host: index.shape + (row width,)."""
         flat = index.reshape(-1).to(torch.int64).cpu()
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.shape[0]):
             raise WeightError(f"{self.name}: row index out of range [0, {self.shape[0]})")
@@ -200,13 +189,21 @@ class RowConcatTensor(StoredTensor):
         out = None
         for s in torch.unique(shard).tolist():
             sel = (shard == s).nonzero().flatten()
-            got = self.parts[s].stored_rows(flat[sel] - self.starts[s]).cpu()
+            got = fetch(self.parts[s], flat[sel] - self.starts[s]).cpu()
             if out is None:
                 out = torch.empty(flat.numel(), got.shape[-1], dtype=got.dtype)
             out[sel] = got
-        if out is None:
-            out = self.parts[0].stored_rows(flat).cpu()
+        if out is None:  # no rows: the width and dtype of an empty fetch
+            out = fetch(self.parts[0], flat).cpu()
         return out.reshape(*index.shape, out.shape[-1])
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self._by_shard(index, lambda part, i: part.rows(i, dtype))
+
+    def stored_rows(self, index: torch.Tensor) -> torch.Tensor:
+        if self.kind == "mixed":
+            raise WeightError(f"{self.name}: shards of several storage types have no common stored row form")
+        return self._by_shard(index, lambda part, i: part.stored_rows(i))
 
     def decode_rows(self, stored: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.parts[0].decode_rows(stored, dtype)
