@@ -302,6 +302,25 @@ def test_decode_rows_of_stored_rows_equals_rows(monkeypatch) -> None:
         table.stored_rows(torch.tensor([40]))
 
 
+@pytest.mark.parametrize("kind", ["quant", "sharded", "dense"])
+def test_stored_rows_into_equals_stored_rows(kind: str) -> None:
+    """The decode step's gather into its host buffer (`stored_rows_into`: numpy for host rows, else through
+    `stored_rows`) writes exactly what `stored_rows` returns, and refuses rows outside the table."""
+    rng = np.random.default_rng(14)
+    table = {"quant": lambda: QuantTensor("t", random_blocks("IQ4_NL", 40, 64, rng), 20, (40, 64)),
+             "sharded": lambda: RowConcatTensor("s", [QuantTensor(f"s{i}", random_blocks("IQ4_NL", n, 64, rng), 20,
+                                                                  (n, 64)) for i, n in enumerate((7, 20, 13))]),
+             "dense": lambda: DenseTensor("d", torch.randn(40, 64, generator=torch.Generator().manual_seed(5)))}[kind]()
+    rows = [3, 39, 3, 20, 0, 19, 6, 7, 26, 27]
+    want = table.stored_rows(torch.tensor(rows))
+    out = torch.full_like(want, 7)
+    table.stored_rows_into(rows, out)
+    assert torch.equal(out, want)
+    for bad in ([40], [-1]):
+        with pytest.raises(ValueError, match="out of range"):
+            table.stored_rows_into(bad, out[:1])
+
+
 def test_triton_ops_replaces_only_its_entries() -> None:
     def marker(*args: object) -> None:
         return None

@@ -16,7 +16,7 @@ from strata.model.gdn import gdn_layer
 from strata.model.hyper import hc_read, hc_write_read
 from strata.model.moe import moe_layer
 from strata.model.ops import Ops
-from strata.model.ple import ple_layer, ple_rows
+from strata.model.ple import ple_layer, ple_rows, ple_rows_into
 from strata.model.qsa import Rope, qsa_layer
 from strata.runtime.state import SequenceState
 from strata.weights.schema import Weights
@@ -59,6 +59,15 @@ class Model:
             ids, positions = ids.to(self.device), positions.to(self.device)
             ple = {i: e.to(self.device) for i, e in ple.items()}
         return StepInputs(ids, positions, state.length, ple)
+
+    def stage_token(self, token: int, state: SequenceState, ple_out: dict[int, torch.Tensor]) -> int:
+        """`stage` of one id for a caller with its own host buffers: each PLE layer's stored rows written into
+        `ple_out[layer]` (ngram_heads, row width). Advances the state like `stage`; returns the id's position."""
+        for i, s in state.ple.items():
+            ple_rows_into(token, self.w, i, self.cfg, s, ple_out[i])
+        state.length += 1
+        state.tokens.append(token)
+        return state.length - 1
 
     def run(self, inputs: StepInputs, state: SequenceState, static: bool = False) -> torch.Tensor:
         """Final hidden states (L, H); writes the device-side caches of `state`. `static` keeps every shape

@@ -57,7 +57,7 @@ def ngram_rows_one(token: int, context: list[int], geo: PLEGeometry, cfg: ModelC
         for j in range(1, m):
             h ^= _i64(shifted[j] * geo.multipliers[j])
         sl = slice((m - 2) * hpn, (m - 1) * hpn)
-        rows.extend(h % prime + off for prime, off in zip(geo.primes[sl], geo.offsets[sl], strict=True))
+        rows.extend([h % prime + off for prime, off in zip(geo.primes[sl], geo.offsets[sl], strict=True)])
     return rows
 
 
@@ -87,6 +87,16 @@ def ple_rows(ids: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, state:
     rows = ngram_rows(ids, state.context, cfg.ple[layer], cfg)
     state.context = torch.cat([state.context, ids.to(torch.int64).cpu()])[-(cfg.ngram_size - 1):]
     return w[f"L{layer}.ple.table"].stored_rows(rows)
+
+
+def ple_rows_into(token: int, w: Weights, layer: int, cfg: ModelConfig, state: PLEState, out: torch.Tensor,
+                  ) -> None:
+    """`ple_rows` of one id written into the host buffer `out` (ngram_heads, stored row width): a decode step's
+    host work in plain integers and one numpy gather, with no tensor op but the new context's."""
+    context = state.context.tolist()
+    rows = ngram_rows_one(token, context, cfg.ple[layer], cfg)
+    state.context = torch.tensor([*context, token][-(cfg.ngram_size - 1):], dtype=torch.int64)
+    w[f"L{layer}.ple.table"].stored_rows_into(rows, out)
 
 
 def decode_rows_ref(stored: torch.Tensor, table: StoredTensor, dtype: torch.dtype) -> torch.Tensor:

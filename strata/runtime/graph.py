@@ -71,7 +71,7 @@ class DecodeStep:
 
         self.inputs = StepInputs(ids=self._packed[0:8].view(torch.int64), positions=self._packed[8:16].view(torch.int64),
                                  n_keys=capacity, ple={i: view(self._packed, i) for i in cfg.ple})
-        self._host_ple = {i: view(self._host, i) for i in cfg.ple}
+        self._host_ple = {i: view(self._host, i)[0] for i in cfg.ple}  # (ngram_heads, row width) each
         self.capture = dev.type == "cuda" if capture is None else capture
         if self.capture and dev.type != "cuda":
             raise StrataError("graph capture needs a CUDA device")
@@ -117,14 +117,10 @@ class DecodeStep:
         copy); the buffer is rewritten only once the previous step's copy is done."""
         if self.state.length >= self.capacity:
             raise StrataError(f"the sequence reached the decode capacity of {self.capacity} tokens")
-        position = self.state.length
-        staged = self.model.stage(torch.tensor([token], dtype=torch.int64), self.state, to_device=False)
         if self._copied is not None:
             self._copied.synchronize()
         self._host_ints[0] = token
-        self._host_ints[1] = position
-        for i, e in staged.ple.items():
-            self._host_ple[i].copy_(e)
+        self._host_ints[1] = self.model.stage_token(token, self.state, self._host_ple)
         self._packed.copy_(self._host, non_blocking=True)
         if self.model.device.type == "cuda":
             self._copied = self._copied or torch.cuda.Event()

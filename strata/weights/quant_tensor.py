@@ -14,6 +14,7 @@ byte matrix is one `in`-wide row of the logical tensor.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from strata.weights.tensor import StoredTensor, WeightError
@@ -37,6 +38,7 @@ class QuantTensor(StoredTensor):
                               f"shape {list(shape)} (expected uint8 {[*shape[:-1], row_bytes]})")
         self.name = name
         self.data = data
+        self._host_rows: np.ndarray | None = None
         self.type_id = type_id
         self.kind = qtype.name
         self.shape = shape
@@ -72,6 +74,13 @@ class QuantTensor(StoredTensor):
         uniq, inverse = torch.unique(flat, return_inverse=True)
         decoded = self.decode_rows(self.stored_rows(uniq), dtype)  # each distinct row decoded once
         return decoded[inverse.to(decoded.device)].reshape(*index.shape, self.cols)
+
+    def host_rows(self) -> np.ndarray | None:
+        if len(self.shape) != 2 or self.data.device.type != "cpu":
+            return None
+        if self._host_rows is None:
+            self._host_rows = self.data.numpy()
+        return self._host_rows
 
     def stored_rows(self, index: torch.Tensor) -> torch.Tensor:
         if len(self.shape) != 2:
