@@ -21,6 +21,7 @@ timings are in bench/results/2026-12-02-h200-gemv-lab*.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -44,9 +45,12 @@ def skel_gemv(t: G.GemvType, x, w, k, out, bn, nw, sk=None) -> None:
     G._launch(t, x, w, None, out, w.shape[0], k, 1, x.shape[0], 0, 0, 0, bn, nw, split_k=sk)
 
 
-LAB_TYPES = {"Q4_K_BYTES": G._Q4_K_BYTES}
+LAB_TYPES = {"Q4_K_BYTES": G._Q4_K_BYTES,
+             **{f"{n}_NOPIPE": dataclasses.replace(G.gemv_type(n), load=None, unpack=None)
+                for n in ("Q4_K", "Q5_1", "Q8_0_R8")}}
 """Decoders not in the production table, by name: Q4_K_BYTES is Q4_K's byte-wise form, which production keeps
-for small one-token launches only. (Rejected candidates and their timings: bench/results/*gemv-lab*.json.)"""
+for small one-token launches only; NAME_NOPIPE is NAME's decoder called whole (no software-pipelined K loop).
+(Rejected candidates and their timings: bench/results/*gemv-lab*.json.)"""
 
 
 def lab_type(name: str) -> G.GemvType:
@@ -71,18 +75,19 @@ def random_rows(name: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor
 _D = ("default", None, None, None)
 _SPLITS = [_D, ("sk2", None, None, 2), ("sk4", None, None, 4), ("sk5", None, None, 5)]
 SUITE = [
-    ("F32", [(513, 2560)], _SPLITS + [("bn4 sk5", 4, 4, 5), ("bn8 sk5", 8, 4, 5)]),
-    ("Q8_0", [(2560, 6144)], _SPLITS + [("sk3", None, None, 3), ("sk6", None, None, 6), ("bn8 sk6", 8, 4, 6)]),
-    ("Q8_0", [(2560, 640)], [_D, ("sk2", None, None, 2), ("sk4", None, None, 4)]),
-    ("Q8_0_R8", [(16432, 2560)], [_D, ("sk2", None, None, 2), ("sk5", None, None, 5)]),
-    ("Q6_K", [(248320, 2560)], [_D, ("bn16 w4", 16, 4, None)]),
+    ("Q8_0_R8", [(16432, 2560)], [_D, ("sk2", None, None, 2)]),
+    ("Q8_0_R8_NOPIPE", [(16432, 2560)], [_D]),
+    ("Q8_0", [(2560, 6144)], [_D]),
+    ("Q6_K", [(248320, 2560)], [_D]),
 ]
 """(type, [(N, K)], [(label, block_n, num_warps, split_k)]): the production defaults against other launch shapes
-at the decode step's shapes (router, out projection, shared-expert down, GDN projections, head)."""
-EXPERTS = [("Q4_K", 640, 2560, "glu", [("default", None, None), ("bn16", 16, None), ("sk2", None, 2),
-                                        ("sk5", None, 5), ("bn16 sk2", 16, 2), ("bn16 sk5", 16, 5)]),
-           ("Q5_1", 2560, 640, "down", [("default", None, None), ("bn16", 16, None), ("sk5", None, 5),
-                                         ("bn16 sk5", 16, 5), ("bn32 sk5", 32, 5)])]
+at the decode step's shapes (GDN projections, out projection, head); NAME_NOPIPE: the K loop without the
+software pipelining."""
+EXPERTS = [("Q4_K", 640, 2560, "glu", [("default", None, None), ("bn8", 8, None), ("bn32", 32, None),
+                                        ("sk2", None, 2)]),
+           ("Q4_K_NOPIPE", 640, 2560, "glu", [("default", None, None), ("bn8", 8, None)]),
+           ("Q5_1", 2560, 640, "down", [("default", None, None), ("bn8", 8, None), ("sk5", None, 5)]),
+           ("Q5_1_NOPIPE", 2560, 640, "down", [("default", None, None)])]
 """Routed-expert launches at the real shapes (10 of 256 experts): gate/up GLU and the per-slot down projection,
 (label, block_n, split_k) variants."""
 GLU_SUITE = [("Q8_0", [(640, 2560)])]

@@ -220,9 +220,13 @@ def main() -> int:
     ap.add_argument("--nb", type=int, default=None, help="blocks per loop step (max_chunk_blocks)")
     ap.add_argument("--kernel", default="gemv", choices=("gemv", "glu"))
     ap.add_argument("--dump", action="store_true", help="print the loop body's SASS")
+    ap.add_argument("--no-prefetch", action="store_true", help="the decoder whole (no load/unpack pipelining)")
     args = ap.parse_args()
     for name in args.types:
-        f = analyze(_resolve(name), args.n, args.k, args.bn, args.warps, args.nb, args.kernel, args.dump)
+        t = _resolve(name)
+        if args.no_prefetch:
+            t = dataclasses.replace(t, load=None, unpack=None)
+        f = analyze(t, args.n, args.k, args.bn, args.warps, args.nb, args.kernel, args.dump)
         print(report(f))
     return 0
 

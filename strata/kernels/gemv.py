@@ -71,6 +71,8 @@ class GemvType:
     small_form: another decoder of the same bytes used for those small launches, where it measured faster.
     small_split: (plain, GLU) K splits for those small launches (split-K: more programs with shorter loops).
     slots_block_n: rows per program of one-token expert launches (several matrices chosen by id), if not block_n.
+    load, unpack: `decode` split in its loads and its arithmetic (decode = unpack(load(...))), for the GEMV's
+        software-pipelined K loop (`_tile`); None: the loop calls `decode` whole.
     dense_dtype: the element type of dense rows (None for block types).
     f16_fields: byte offsets of the fp16 scale fields in a block (for making random blocks with sane scales).
     """
@@ -91,6 +93,8 @@ class GemvType:
     small_form: GemvType | None = None
     small_split: tuple[int, int] = (1, 1)
     slots_block_n: int | None = None
+    load: Any = None
+    unpack: Any = None
 
 
 _Q4_K_BYTES = GemvType("Q4_K", 12, 256, 144, gb.decode_q4_k, 5, 2, block_n=8, num_warps=8, small=(2, 4),
@@ -111,14 +115,15 @@ _TYPE_LIST: tuple[GemvType, ...] = (
     GemvType("Q4_0", 2, 32, 18, gb.decode_q4_0, 4, 8, block_n=8, f16_fields=(0,)),
     GemvType("Q4_1", 3, 32, 20, gb.decode_q4_1, 6, 8, num_warps=8, f16_fields=(0, 2)),
     GemvType("Q5_0", 6, 32, 22, gb.decode_q5_0, 5, 8, f16_fields=(0,)),
-    GemvType("Q5_1", 7, 32, 24, gb.decode_q5_1, 6, 8, block_n=8, f16_fields=(0, 2), slots_block_n=16),
+    GemvType("Q5_1", 7, 32, 24, gb.decode_q5_1, 6, 8, block_n=8, f16_fields=(0, 2), slots_block_n=16,
+             load=gb.load_q5_1, unpack=gb.unpack_q5_1),
     GemvType("Q8_0", 8, 32, 34, gb.decode_q8_0, 3, 32, block_n=4, f16_fields=(0,), small_split=(1, 5)),
     GemvType("IQ4_NL", 20, 32, 18, gb.decode_iq4_nl, 4, 8, table="IQ4", f16_fields=(0,)),
     GemvType("Q2_0", 42, 64, 18, gb.decode_q2_0, 6, 4, f16_fields=(0,)),
     GemvType("Q2_K", 10, 256, 84, gb.decode_q2_k, 5, 1, f16_fields=(80, 82)),
     GemvType("Q3_K", 11, 256, 110, gb.decode_q3_k, 5, 1, num_warps=8, f16_fields=(108,)),
     GemvType("Q4_K", 12, 256, 144, gb.decode_q4_k_hw, 6, 1, small=(2, 4), f16_fields=(0, 2),
-             small_form=_Q4_K_BYTES),
+             small_form=_Q4_K_BYTES, load=gb.load_q4_k_hw, unpack=gb.unpack_q4_k_hw),
     GemvType("Q5_K", 13, 256, 176, gb.decode_q5_k, 6, 1, block_n=8, f16_fields=(0, 2)),
     GemvType("Q6_K", 14, 256, 210, gb.decode_q6_k, 5, 1, block_n=8, f16_fields=(208,)),
     GemvType("IQ2_XXS", 16, 256, 66, gb.decode_iq2_xxs, 5, 1, table="IQ2_XXS", block_n=8, f16_fields=(0,)),
@@ -127,7 +132,8 @@ _TYPE_LIST: tuple[GemvType, ...] = (
     GemvType("IQ3_S", 21, 256, 110, gb.decode_iq3_s, 5, 1, table="IQ3_S", block_n=8, f16_fields=(0,)),
     GemvType("IQ2_S", 22, 256, 82, gb.decode_iq2_s, 5, 1, table="IQ2_S", block_n=8, f16_fields=(0,)),
     GemvType("IQ4_XS", 23, 256, 136, gb.decode_iq4_xs, 4, 1, table="IQ4", f16_fields=(0,)),
-    GemvType("Q8_0_R8", 1008, 256, 272, gb.decode_q8_0_r8, 4, 4, block_n=4, f16_fields=tuple(range(0, 16, 2))),
+    GemvType("Q8_0_R8", 1008, 256, 272, gb.decode_q8_0_r8, 4, 4, block_n=4, f16_fields=tuple(range(0, 16, 2)),
+             load=gb.load_q8_0_r8, unpack=gb.unpack_q8_0_r8),
 )
 
 GEMV_TYPES: dict[int, GemvType] = {t.type_id: t for t in _TYPE_LIST}
@@ -194,7 +200,7 @@ def _put(res, a, t: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, RANK: tl
 
 @triton.jit
 def _tile(xp, xs, rp, tab_ptr, n_chunks,
-          DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr,
+          LOAD: tl.constexpr, UNPACK: tl.constexpr, PIPE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr,
           NB: tl.constexpr, ROWS: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, GDC: tl.constexpr):
     """[ROWS, T_PAD] fp32: res[r, t] = (the row at pointer rp[r]) . (x token t at xp + t*xs), for t < T <= 8.
 
@@ -204,10 +210,19 @@ def _tile(xp, xs, rp, tab_ptr, n_chunks,
     decoder's); the accumulators of tokens past T are compile-time placeholders that generate no code. The rows
     need not belong to one matrix (the GLU kernel decodes gate and up rows in one tile).
 
+    PIPE (decoders split in two, `GemvType.load`): the loop is software-pipelined by hand: chunk c + 1's loads are
+    issued before chunk c is decoded, so each program keeps two chunks' bytes in flight for the registers of one more raw chunk
+    (the last step re-loads the last chunk, from L1). Otherwise LOAD is `load_pointer` and UNPACK the decoder.
+
     GDC: the first chunk's weights are loaded before `pdl.wait`, overlapping the end of the previous kernel
     (weights are never written by a kernel launched with PDL, so no wait is needed for them)."""
-    w, xo = DECODE(rp, tab_ptr, ROWS, NB)
+    raw = LOAD(rp, tab_ptr, ROWS, NB)
     pdl.wait(GDC)
+    if PIPE:
+        ahead = LOAD(rp + tl.minimum(1, n_chunks - 1) * CHUNK_W, tab_ptr, ROWS, NB)
+    else:
+        ahead = raw
+    w, xo = UNPACK(raw, tab_ptr, ROWS, NB)
     a0 = w * _x(xp, xo, xs, 0)
     a1 = 0.0
     a2 = 0.0
@@ -232,7 +247,12 @@ def _tile(xp, xs, rp, tab_ptr, n_chunks,
         a7 = w * _x(xp, xo, xs, 7)
     for c in range(1, n_chunks):
         xc = xp + c * CHUNK_X
-        w, xo = DECODE(rp + c * CHUNK_W, tab_ptr, ROWS, NB)
+        if PIPE:
+            raw = ahead
+            ahead = LOAD(rp + tl.minimum(c + 1, n_chunks - 1) * CHUNK_W, tab_ptr, ROWS, NB)
+        else:
+            raw = LOAD(rp + c * CHUNK_W, tab_ptr, ROWS, NB)
+        w, xo = UNPACK(raw, tab_ptr, ROWS, NB)
         a0 += w * _x(xc, xo, xs, 0)
         if T > 1:
             a1 += w * _x(xc, xo, xs, 1)
@@ -327,8 +347,9 @@ def _gemv_kernel(
     x_ptr, w_ptr, ids_ptr, tab_ptr, out_ptr, part_ptr, cnt_ptr,
     N, n_chunks,
     w_row_stride, w_slot_stride, x_tok_stride, x_slot_stride, out_tok_stride, out_slot_stride,
-    DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr, NB: tl.constexpr,
-    BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr, SPLIT: tl.constexpr = 1,
+    LOAD: tl.constexpr, UNPACK: tl.constexpr, PIPE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr,
+    NB: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr,
+    SPLIT: tl.constexpr = 1,
     GDC: tl.constexpr = False,
 ):
     """out[slot, t, rows] = W[slot's matrix][rows] . x[slot, t] for BN rows, T <= 8 tokens.
@@ -352,7 +373,7 @@ def _gemv_kernel(
     rp = w_ptr + _matrix(ids_ptr, slot, HAS_IDS) * w_slot_stride + rows_c * w_row_stride + s * (n_chunks * CHUNK_W)
     xp = x_ptr + slot * x_slot_stride + s * (n_chunks * CHUNK_X)
     res = _tile(xp, x_tok_stride, rp, tab_ptr, n_chunks,
-                DECODE, RANK, CHUNK_W, CHUNK_X, NB, BN, T, T_PAD, GDC and not HAS_IDS)
+                LOAD, UNPACK, PIPE, RANK, CHUNK_W, CHUNK_X, NB, BN, T, T_PAD, GDC and not HAS_IDS)
     if SPLIT > 1:
         tile = slot * tl.num_programs(0) + pid
         res, last = _split_sum(res, part_ptr + tile * (SPLIT * BN * T_PAD), cnt_ptr + tile, s, SPLIT, BN, T_PAD)
@@ -374,8 +395,8 @@ def _glu_kernel(
     N, n_chunks,
     g_row_stride, u_row_stride, g_slot_stride, u_slot_stride, x_tok_stride, x_slot_stride,
     out_tok_stride, out_slot_stride,
-    DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr, NB: tl.constexpr,
-    BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr,
+    LOAD: tl.constexpr, UNPACK: tl.constexpr, PIPE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr,
+    NB: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr,
     ACT: tl.constexpr, ALIGN: tl.constexpr, SPLIT: tl.constexpr = 1, GDC: tl.constexpr = False,
 ):
     """out[slot, t, rows] = act(G[rows] . x) * (U[rows] . x), G and U the gate and up matrices of `slot`.
@@ -400,7 +421,7 @@ def _glu_kernel(
         rp = tl.multiple_of(rp, ALIGN)
     xp = x_ptr + slot * x_slot_stride + s * (n_chunks * CHUNK_X)
     res = _tile(xp, x_tok_stride, rp, tab_ptr, n_chunks,
-                DECODE, RANK, CHUNK_W, CHUNK_X, NB, 2 * BN, T, T_PAD, GDC and not HAS_IDS)
+                LOAD, UNPACK, PIPE, RANK, CHUNK_W, CHUNK_X, NB, 2 * BN, T, T_PAD, GDC and not HAS_IDS)
     last = 1
     if SPLIT > 1:
         tile = slot * tl.num_programs(0) + pid
@@ -456,9 +477,9 @@ def dequantize_rows(w_data: torch.Tensor, type_id: int | str, K: int, out_dtype:
     if n == 0:
         return out
     n_chunks, dec = _decode_args(t, K)
-    dec.pop("RANK")
+    dec = {k: v for k, v in dec.items() if k in ("CHUNK_W", "CHUNK_X", "NB")}
     _dequant_kernel[(triton.cdiv(n, block_n), n_chunks)](
-        w, _table(t, w), out, n, w.stride(0), out.stride(0), RANK=t.rank, BN=block_n, **dec,
+        w, _table(t, w), out, n, w.stride(0), out.stride(0), DECODE=t.decode, RANK=t.rank, BN=block_n, **dec,
         **pdl.launch(w.device))
     return out
 
@@ -555,7 +576,8 @@ def _decode_args(t: GemvType, k: int) -> tuple[int, dict[str, Any]]:
     nb = _chunk_blocks(t, k)
     chunk_w = nb if t.dense_dtype is not None else nb * t.block_bytes  # elements of dense rows, bytes of packed
     return k // (nb * t.block_elems), {
-        "DECODE": t.decode, "RANK": t.rank, "CHUNK_W": chunk_w, "CHUNK_X": nb * t.block_elems, "NB": nb}
+        "LOAD": t.load or gb.load_pointer, "PIPE": t.load is not None, "UNPACK": t.unpack or t.decode, "RANK": t.rank,
+        "CHUNK_W": chunk_w, "CHUNK_X": nb * t.block_elems, "NB": nb}
 
 
 def _small(t: GemvType, n_tok: int, total_rows: int) -> bool:

@@ -85,6 +85,12 @@ def _i32(p):
     return tl.load(p.to(tl.pointer_type(tl.int32)))
 
 
+@triton.jit
+def load_pointer(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """The `load` of a decoder not split in two: the chunk's row pointers, which its `decode` then loads from."""
+    return rp
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # dense rows
 
@@ -168,19 +174,27 @@ def _spread4(h):
 
 
 @triton.jit
-def decode_q5_1(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
-    """Q5_1: {fp16 d, m; uint32 qh; qs[16]}, w = d q + m; qh and qs are 4-byte aligned (24-byte blocks): int32
-    words. The low (high) nibbles of qs word k are elements 4k + j (16 + 4k + j), whose 5th bits are bits 4k + j
-    (16 + 4k + j) of qh; `_spread4` puts the four of a word at bit 4 of its bytes, so each byte then holds a whole
-    5-bit code (18% fewer instructions per weight than merging bit by bit; 10 expert down projections of 2560 x
-    640: 12.2 -> 10.4 us on an H200). [BN, NB, 4, 2, 2 = byte, 2 = nibble]."""
+def load_q5_1(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """The loads of `decode_q5_1`: d and m (fp16), qh and the qs words."""
     b = tl.arange(0, NB)
     k = tl.arange(0, 4)
     blk = rp[:, None] + b[None, :] * 24
-    d = _f16(blk)[:, :, None]
-    m = _f16(blk + 2)[:, :, None]
-    qh = _i32(blk + 4)[:, :, None]
+    d = tl.load(blk.to(tl.pointer_type(tl.float16)))
+    m = tl.load((blk + 2).to(tl.pointer_type(tl.float16)))
+    qh = _i32(blk + 4)
     v = tl.load((blk + 8).to(tl.pointer_type(tl.int32))[:, :, None] + k[None, None, :])
+    return d, m, qh, v
+
+
+@triton.jit
+def unpack_q5_1(raw, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """The arithmetic of `decode_q5_1` on what `load_q5_1` loaded."""
+    d, m, qh, v = raw
+    d = d.to(tl.float32)[:, :, None]
+    m = m.to(tl.float32)[:, :, None]
+    qh = qh[:, :, None]
+    b = tl.arange(0, NB)
+    k = tl.arange(0, 4)
     e = 4 * k[None, None, :]
     lo = (v & 0x0F0F0F0F) | _spread4(qh >> e)
     hi = ((v >> 4) & 0x0F0F0F0F) | _spread4(qh >> (e + 16))
@@ -191,6 +205,16 @@ def decode_q5_1(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
     return (tl.join(_i2f(wl, 0.0) * d[:, :, :, None, None] + m[:, :, :, None, None],
                     _i2f(wh, 0.0) * d[:, :, :, None, None] + m[:, :, :, None, None]),
             tl.join(xl, xl + 16))
+
+
+@triton.jit
+def decode_q5_1(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """Q5_1: {fp16 d, m; uint32 qh; qs[16]}, w = d q + m; qh and qs are 4-byte aligned (24-byte blocks): int32
+    words. The low (high) nibbles of qs word k are elements 4k + j (16 + 4k + j), whose 5th bits are bits 4k + j
+    (16 + 4k + j) of qh; `_spread4` puts the four of a word at bit 4 of its bytes, so each byte then holds a whole
+    5-bit code (18% fewer instructions per weight than merging bit by bit; 10 expert down projections of 2560 x
+    640: 12.2 -> 10.4 us on an H200). [BN, NB, 4, 2, 2 = byte, 2 = nibble]."""
+    return unpack_q5_1(load_q5_1(rp, tab, BN, NB), tab, BN, NB)
 
 
 @triton.jit
@@ -289,21 +313,26 @@ def _byte(w, sh):
 
 
 @triton.jit
-def decode_q4_k_hw(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
-    """Q4_K as int32 words throughout: the 16-byte header {fp16 d, dmin; scales[12]} as 4 words (instead of ten
-    1- and 2-byte loads per row) and the 128 nibble bytes, 16-byte aligned at offset 16 of the 144-byte block, as
-    16-byte vectors (`decode_q4_k` issues one load per byte). One super-block per chunk.
-    [BN, 4 = c, 8 = word, 2, 2 = byte, 2 = nibble]: byte 4k + j of group c holds elements 64c + 4k + j (low nibble,
-    sub-block 2c) and 64c + 32 + 4k + j (high, 2c + 1)."""
-    tl.static_assert(NB == 1, "decode_q4_k_hw: one super-block per chunk")
+def load_q4_k_hw(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """The loads of `decode_q4_k_hw`: the 128 nibble bytes as [BN, 4, 8] int32 words and the header's 4 words."""
     c = tl.arange(0, 4)
     k = tl.arange(0, 8)
     wp = rp.to(tl.pointer_type(tl.int32))
     v = tl.load((wp + 4)[:, None, None] + (c[:, None] * 8 + k[None, :])[None, :, :])
-    w0 = tl.load(wp)[:, None]
-    w1 = tl.load(wp + 1)[:, None]
-    w2 = tl.load(wp + 2)[:, None]
-    w3 = tl.load(wp + 3)[:, None]
+    return v, tl.load(wp), tl.load(wp + 1), tl.load(wp + 2), tl.load(wp + 3)
+
+
+@triton.jit
+def unpack_q4_k_hw(raw, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """The arithmetic of `decode_q4_k_hw` on the words `load_q4_k_hw` loaded."""
+    tl.static_assert(NB == 1, "decode_q4_k_hw: one super-block per chunk")
+    v, w0, w1, w2, w3 = raw
+    w0 = w0[:, None]
+    w1 = w1[:, None]
+    w2 = w2[:, None]
+    w3 = w3[:, None]
+    c = tl.arange(0, 4)
+    k = tl.arange(0, 8)
     d = (w0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     dm = ((w0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     low = (c < 2)[None, :]
@@ -321,6 +350,16 @@ def decode_q4_k_hw(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
     base = c[:, None] * 64 + k[None, :] * 4
     xl = _j4(base, base + 1, base + 2, base + 3)
     return tl.join(lo * sl - ml, hi * sh - mh), tl.join(xl, xl + 32)
+
+
+@triton.jit
+def decode_q4_k_hw(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """Q4_K as int32 words throughout: the 16-byte header {fp16 d, dmin; scales[12]} as 4 words (instead of ten
+    1- and 2-byte loads per row) and the 128 nibble bytes, 16-byte aligned at offset 16 of the 144-byte block, as
+    16-byte vectors (`decode_q4_k` issues one load per byte). One super-block per chunk.
+    [BN, 4 = c, 8 = word, 2, 2 = byte, 2 = nibble]: byte 4k + j of group c holds elements 64c + 4k + j (low nibble,
+    sub-block 2c) and 64c + 32 + 4k + j (high, 2c + 1)."""
+    return unpack_q4_k_hw(load_q4_k_hw(rp, tab, BN, NB), tab, BN, NB)
 
 
 @triton.jit
@@ -540,15 +579,32 @@ def decode_iq3_s(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
+def load_q8_0_r8(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """The loads of `decode_q8_0_r8`: the groups' 8 fp16 scales and their int8 quants."""
+    g = tl.arange(0, NB)
+    b = tl.arange(0, 8)
+    i = tl.arange(0, 32)
+    gp = rp[:, None] + g[None, :] * 272
+    d = tl.load((gp[:, :, None] + 2 * b[None, None, :]).to(tl.pointer_type(tl.float16)))
+    q = tl.load((gp + 16)[:, :, None, None] + (b[:, None] * 32 + i[None, :])[None, None, :, :]).to(tl.int8)
+    return d, q
+
+
+@triton.jit
+def unpack_q8_0_r8(raw, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """The arithmetic of `decode_q8_0_r8` on what `load_q8_0_r8` loaded."""
+    d, q = raw
+    g = tl.arange(0, NB)
+    b = tl.arange(0, 8)
+    i = tl.arange(0, 32)
+    xo = g[:, None, None] * 256 + b[None, :, None] * 32 + i[None, None, :]
+    return q.to(tl.float32) * d.to(tl.float32)[:, :, :, None], xo
+
+
+@triton.jit
 def decode_q8_0_r8(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
     """Q8_0_R8: eight Q8_0 blocks regrouped as {fp16 d[8]; int8 q[8][32]} (272 bytes, so every group's quants are
     16-byte aligned). The quants load as int8 along a contiguous last dimension, so both they and x load as
     16-byte vectors (here the hardware int-to-float convert, whose quarter rate is not the limit: the GEMV is
     bound by load traffic through L1). NB groups per chunk. [BN, NB, 8 = block, 32]."""
-    g = tl.arange(0, NB)
-    b = tl.arange(0, 8)
-    i = tl.arange(0, 32)
-    gp = rp[:, None] + g[None, :] * 272
-    d = _f16(gp[:, :, None] + 2 * b[None, None, :])[:, :, :, None]
-    q = tl.load((gp + 16)[:, :, None, None] + (b[:, None] * 32 + i[None, :])[None, None, :, :]).to(tl.int8)
-    return q.to(tl.float32) * d, g[:, None, None] * 256 + b[None, :, None] * 32 + i[None, None, :]
+    return unpack_q8_0_r8(load_q8_0_r8(rp, tab, BN, NB), tab, BN, NB)
