@@ -115,8 +115,7 @@ _TYPE_LIST: tuple[GemvType, ...] = (
     GemvType("Q4_0", 2, 32, 18, gb.decode_q4_0, 4, 8, block_n=8, f16_fields=(0,)),
     GemvType("Q4_1", 3, 32, 20, gb.decode_q4_1, 6, 8, num_warps=8, f16_fields=(0, 2)),
     GemvType("Q5_0", 6, 32, 22, gb.decode_q5_0, 5, 8, f16_fields=(0,)),
-    GemvType("Q5_1", 7, 32, 24, gb.decode_q5_1, 6, 8, block_n=8, f16_fields=(0, 2), slots_block_n=16,
-             load=gb.load_q5_1, unpack=gb.unpack_q5_1),
+    GemvType("Q5_1", 7, 32, 24, gb.decode_q5_1, 6, 8, block_n=8, f16_fields=(0, 2), slots_block_n=16),
     GemvType("Q8_0", 8, 32, 34, gb.decode_q8_0, 3, 32, block_n=4, f16_fields=(0,), small_split=(1, 5)),
     GemvType("IQ4_NL", 20, 32, 18, gb.decode_iq4_nl, 4, 8, table="IQ4", f16_fields=(0,)),
     GemvType("Q2_0", 42, 64, 18, gb.decode_q2_0, 6, 4, f16_fields=(0,)),
@@ -132,8 +131,7 @@ _TYPE_LIST: tuple[GemvType, ...] = (
     GemvType("IQ3_S", 21, 256, 110, gb.decode_iq3_s, 5, 1, table="IQ3_S", block_n=8, f16_fields=(0,)),
     GemvType("IQ2_S", 22, 256, 82, gb.decode_iq2_s, 5, 1, table="IQ2_S", block_n=8, f16_fields=(0,)),
     GemvType("IQ4_XS", 23, 256, 136, gb.decode_iq4_xs, 4, 1, table="IQ4", f16_fields=(0,)),
-    GemvType("Q8_0_R8", 1008, 256, 272, gb.decode_q8_0_r8, 4, 4, block_n=4, f16_fields=tuple(range(0, 16, 2)),
-             load=gb.load_q8_0_r8, unpack=gb.unpack_q8_0_r8),
+    GemvType("Q8_0_R8", 1008, 256, 272, gb.decode_q8_0_r8, 4, 4, block_n=4, f16_fields=tuple(range(0, 16, 2))),
 )
 
 GEMV_TYPES: dict[int, GemvType] = {t.type_id: t for t in _TYPE_LIST}
