@@ -243,6 +243,34 @@ def test_q4_k_both_forms_one_token(monkeypatch) -> None:
 # weighted sum over expert slots
 
 
+@pytest.mark.parametrize("name", ["Q5_1", "Q4_K", "Q8_0", "BF16"])
+def test_gemv_experts_sum(name: str) -> None:
+    """One token's down projections and their weighted sum in one launch: exactly `slot_sum` of `gemv_experts`'
+    rows (the interpreter does not fuse multiply-adds), close to float64, the same bits on a second call (the
+    tickets were put back), a repeated expert, x of one row per slot and of one row for all, bf16 out."""
+    from strata.kernels.moe import slot_sum
+
+    rng = np.random.default_rng(zlib_seed(name) + 40)
+    k = kk(name)
+    ws, w64 = stack(name, 4, N, k, rng)
+    ids = torch.tensor([3, 0, 3, 1, 2])
+    sw = torch.tensor([0.4, 0.1, 0.25, 0.15, 0.1], dtype=torch.bfloat16)
+    for rows in (5, 1):
+        x = x_for(w64[0], rows, 41 + rows)
+        got = G.gemv_experts_sum(x, ws, ids, sw, name, k, poisoned((1, N)), block_n=8)
+        want = slot_sum(G.gemv_experts(x, ws, ids, name, k, block_n=8), sw[None], torch.float32)
+        assert torch.equal(got, want)
+        assert torch.equal(G.gemv_experts_sum(x, ws, ids, sw, name, k, block_n=8), got)
+        xs = x.double() if rows == 5 else x.double().expand(5, -1)
+        ref = sum(sw[s].double() * (xs[s] @ w64[e].T) for s, e in enumerate(ids.tolist()))
+        bound = sum(sw[s].double() * (xs[s].abs() @ w64[e].abs().T) for s, e in enumerate(ids.tolist()))
+        assert_close(got, ref[None], bound[None])
+        b16 = G.gemv_experts_sum(x, ws, ids, sw, name, k, out_dtype=torch.bfloat16, block_n=8)
+        assert torch.equal(b16, got.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="slot_weights"):
+        G.gemv_experts_sum(x, ws, ids, sw[:4], name, k)
+
+
 def test_fused_reject_bad_input() -> None:
     rng = np.random.default_rng(42)
     g = random_blocks("Q8_0", 4, 64, rng)

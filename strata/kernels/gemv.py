@@ -7,6 +7,7 @@ with fp32 accumulation. Two kernels wrap it (the plain one, and the GLU one for 
 
     gemv(x (T, K), w_data (N, row_bytes) uint8, type_id, K)                -> (T, N)
     gemv_experts(x (k|1, K), w_data (E, N, row_bytes), expert_ids (k,), type_id, K) -> (k, N)
+    gemv_experts_sum(x (k|1, K), w_data (E, N, rb), expert_ids (k,), slot_weights (k,), type_id, K) -> (1, N)
     gemv_glu(x (T, K), gate_data (I, rb), up_data (I, rb), type_id, K)      -> (T, I)  silu(x G^T) * (x U^T)
     gemv_experts_glu(x (k|1, K), gate_data (E, I, rb), up_data (E, I, rb), expert_ids (k,), type_id, K) -> (k, I)
 
@@ -342,13 +343,12 @@ def _matrix(ids_ptr, slot, HAS_IDS: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, ids_ptr, tab_ptr, out_ptr, part_ptr, cnt_ptr,
+    x_ptr, w_ptr, ids_ptr, tab_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
     N, n_chunks,
     w_row_stride, w_slot_stride, x_tok_stride, x_slot_stride, out_tok_stride, out_slot_stride,
-    LOAD: tl.constexpr, UNPACK: tl.constexpr, PIPE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr,
-    NB: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr,
-    SPLIT: tl.constexpr = 1,
-    GDC: tl.constexpr = False,
+    LOAD: tl.constexpr, UNPACK: tl.constexpr, PIPE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr,
+    CHUNK_X: tl.constexpr, NB: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr,
+    HAS_IDS: tl.constexpr, SPLIT: tl.constexpr = 1, SLOT_SUM: tl.constexpr = 0, GDC: tl.constexpr = False,
 ):
     """out[slot, t, rows] = W[slot's matrix][rows] . x[slot, t] for BN rows, T <= 8 tokens.
 
@@ -359,7 +359,12 @@ def _gemv_kernel(
 
     SPLIT > 1 (split-K): program (i, slot, s) covers the s-th of SPLIT equal runs of n_chunks chunks, and the
     last of the SPLIT to finish sums and stores (`_split_sum`): more programs with shorter K loops, for launches
-    whose loop is latency-bound."""
+    whose loop is latency-bound.
+
+    SLOT_SUM = k > 0 (one token, no K split): the k slots' products are weighted by sw[slot] and summed into one
+    output row, out[0, rows] = sum over slots in order of round_fp32(sw[slot] * y[slot, rows]), by the same ticket
+    scheme over the slots of a row tile: the routed experts' down projection and their weighted sum in one launch
+    (`moe.slot_sum`'s sum, without its launch)."""
     pdl.started(GDC)
     if HAS_IDS:
         pdl.wait(GDC)
@@ -372,7 +377,12 @@ def _gemv_kernel(
     xp = x_ptr + slot * x_slot_stride + s * (n_chunks * CHUNK_X)
     res = _tile(xp, x_tok_stride, rp, tab_ptr, n_chunks,
                 LOAD, UNPACK, PIPE, RANK, CHUNK_W, CHUNK_X, NB, BN, T, T_PAD, GDC and not HAS_IDS)
-    if SPLIT > 1:
+    if SLOT_SUM > 0:
+        res = res * tl.load(sw_ptr + slot).to(tl.float32)
+        res, last = _split_sum(res, part_ptr + pid * (SLOT_SUM * BN * T_PAD), cnt_ptr + pid, slot, SLOT_SUM, BN,
+                               T_PAD)
+        _store(out_ptr, res, rows, N * last, out_tok_stride, T, T_PAD)
+    elif SPLIT > 1:
         tile = slot * tl.num_programs(0) + pid
         res, last = _split_sum(res, part_ptr + tile * (SPLIT * BN * T_PAD), cnt_ptr + tile, s, SPLIT, BN, T_PAD)
         _store(out_ptr + slot * out_slot_stride, res, rows, N * last, out_tok_stride, T, T_PAD)  # last stores
@@ -393,9 +403,10 @@ def _glu_kernel(
     N, n_chunks,
     g_row_stride, u_row_stride, g_slot_stride, u_slot_stride, x_tok_stride, x_slot_stride,
     out_tok_stride, out_slot_stride,
-    LOAD: tl.constexpr, UNPACK: tl.constexpr, PIPE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr,
-    NB: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, HAS_IDS: tl.constexpr,
-    ACT: tl.constexpr, ALIGN: tl.constexpr, SPLIT: tl.constexpr = 1, GDC: tl.constexpr = False,
+    LOAD: tl.constexpr, UNPACK: tl.constexpr, PIPE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr,
+    CHUNK_X: tl.constexpr, NB: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr,
+    HAS_IDS: tl.constexpr, ACT: tl.constexpr, ALIGN: tl.constexpr, SPLIT: tl.constexpr = 1,
+    GDC: tl.constexpr = False,
 ):
     """out[slot, t, rows] = act(G[rows] . x) * (U[rows] . x), G and U the gate and up matrices of `slot`.
 
@@ -656,8 +667,10 @@ def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | N
             n: int, k: int, slots: int, n_tok: int, w_slot_stride: int, x_slot_stride: int,
             out_slot_stride: int, block_n: int | None, num_warps: int | None,
             up: torch.Tensor | None = None, up_slot_stride: int = 0, act: str = "silu",
-            split_k: int | None = None) -> None:
-    """One launch of the plain kernel, or of the GLU kernel when `up` is given (w is then the gate)."""
+            split_k: int | None = None, slot_weights: torch.Tensor | None = None) -> None:
+    """One launch of the plain kernel, or of the GLU kernel when `up` is given (w is then the gate). With
+    `slot_weights` (plain kernel, one token; the caller checked that tickets are left) the slots are summed into
+    out's one row."""
     if n == 0 or slots == 0 or n_tok == 0:
         return
     if t.small_form is not None and _small(t, n_tok, n * slots):
@@ -670,23 +683,24 @@ def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | N
     tiles = triton.cdiv(n, bn) * slots
     if split_k is None and _small(t, n_tok, n * slots):
         split_k = t.small_split[up is not None]
-    sk = _split(split_k, n_chunks, tiles)
-    cnt = _tickets(w.device) if sk > 1 else None
+    summed = slot_weights is not None
+    sk = 1 if summed else _split(split_k, n_chunks, tiles)
+    cnt = _tickets(w.device) if sk > 1 or summed else None
     if cnt is None:
         sk = 1
     consts = dict(dec, T=n_tok, T_PAD=t_pad, HAS_IDS=ids is not None, SPLIT=sk,
                   num_warps=_warps(t, n_tok, num_warps, n * slots), **pdl.launch(x.device))
     ids = ids if ids is not None else w
-    if sk > 1:
+    if sk > 1 or summed:
         part = torch.empty(tiles * sk * (bn if up is None else 2 * bn) * t_pad, dtype=torch.float32, device=w.device)
     else:
         part = cnt = out  # unused
     grid = (triton.cdiv(n, bn), slots, sk)
     if up is None:
         _gemv_kernel[grid](
-            x, w, ids, _table(t, w), out, part, cnt, n, n_chunks // sk,
+            x, w, ids, _table(t, w), out, part, cnt, slot_weights if summed else out, n, n_chunks // sk,
             w.stride(-2), w_slot_stride, x.stride(0), x_slot_stride, out.stride(0), out_slot_stride,
-            BN=bn, **consts)
+            BN=bn, SLOT_SUM=slots if summed else 0, **consts)
     else:
         align = _row_align(w, up, w.stride(-2), up.stride(-2), w_slot_stride, up_slot_stride,
                            n_chunks // sk * dec["CHUNK_W"])
@@ -737,6 +751,38 @@ def gemv_experts(x: torch.Tensor, w_data: torch.Tensor, expert_ids: torch.Tensor
     out = _out(out, (k_sel, n), w.device, out_dtype)
     _launch(t, x, w, expert_ids, out, n, K, k_sel, 1, w.stride(0), x_slot_stride, out.stride(0), block_n,
             num_warps, split_k=split_k)
+    return out
+
+
+def gemv_experts_sum(x: torch.Tensor, w_data: torch.Tensor, expert_ids: torch.Tensor, slot_weights: torch.Tensor,
+                     type_id: int | str, K: int, out: torch.Tensor | None = None,
+                     out_dtype: torch.dtype = torch.float32, *, block_n: int | None = None,
+                     num_warps: int | None = None) -> torch.Tensor:
+    """out[0] = sum_i slot_weights[i] * W[expert_ids[i]] x[i] (or x[0]): one token's routed-expert down projections
+    and their weighted sum in one launch. Each product is accumulated in fp32 and weighted, the slots are added in
+    order 0..k-1 and the sum rounded once to out's dtype (`moe.slot_sum` of `gemv_experts`' rows, but without
+    letting the compiler fuse the weighting into the addition). No atomics touch the sums: every run gives the
+    same bits.
+
+    slot_weights: (k,) contiguous on the weights' device (any float dtype). out, out_dtype: (1, N). Where the
+    stream has no ticket counters left (`COUNTER_REGIONS`) it runs as `gemv_experts` then `slot_sum`."""
+    t = gemv_type(type_id)
+    w = _weights(t, w_data, K, 3)
+    _check_x(x, K, w)
+    k_sel, x_slot_stride = _slots(x, expert_ids, w)
+    if tuple(slot_weights.shape) != (k_sel,) or slot_weights.device != w.device or not slot_weights.is_contiguous():
+        raise ValueError(f"slot_weights: expected contiguous ({k_sel},) on {w.device}, got "
+                         f"{tuple(slot_weights.shape)} on {slot_weights.device}")
+    n = w.shape[1]
+    out = _out(out, (1, n), w.device, out_dtype)
+    if _tickets(w.device) is None or triton.cdiv(n, _rows(t, 1, block_n, n * k_sel, True)) > SPLIT_COUNTERS:
+        from strata.kernels.moe import slot_sum
+
+        y = gemv_experts(x, w_data, expert_ids, type_id, K, block_n=block_n, num_warps=num_warps)
+        out.copy_(slot_sum(y, slot_weights[None], out.dtype))
+        return out
+    _launch(t, x, w, expert_ids, out, n, K, k_sel, 1, w.stride(0), x_slot_stride, 0, block_n, num_warps,
+            slot_weights=slot_weights)
     return out
 
 

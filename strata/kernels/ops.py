@@ -11,7 +11,8 @@
 * `mlp_triton(x, gate, up, down, linear)`: gate/up/SiLU as one GEMV launch, then down.
 * `decode_rows_triton(stored, table, dtype)`: table rows the host gathered as stored, decoded on the device.
 * `experts_triton(a, top_i, top_w, gate, up, down, linear)`: the routed experts of a MoE layer in three launches
-  (gate/up/SiLU over all L*k selected slots; down over the slots; the weighted sum over each token's slots) with
+  (gate/up/SiLU over all L*k selected slots; down over the slots; the weighted sum over each token's slots; for
+  one token the last two are one launch, `gemv_experts_sum`) with
   the expert ids never leaving the device, so a decode step can be captured in a CUDA graph. Other inputs go to the
   reference (`experts_gather`, the capturable twin, while a graph is being captured).
 
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels.gemv import (GEMV_TYPE_NAMES, MAX_TOKENS, OUT_DTYPES, dequantize_rows, gemv, gemv_experts,
-                                 gemv_experts_glu, gemv_glu)
+                                 gemv_experts_glu, gemv_experts_sum, gemv_glu)
 from strata.kernels.moe import slot_sum
 from strata.model.experts import experts_gather, experts_ref
 from strata.model.ops import Ops, linear_ref, linears_ref, mlp_ref
@@ -173,6 +174,9 @@ def experts_blocks(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
         # gate/up/SiLU in one launch; down over every slot in parallel (fp32), then the weighted sum over each
         # token's slots (a program looping over the slots itself serialises k dependent GEMVs: 8x slower)
         h = gemv_experts_glu(x, gate[0], up[0], ids, gate[1], h_dim, out_dtype=a.dtype)
+        if n_tok == 1:  # one token (decode): the down projections and their weighted sum in one launch
+            return gemv_experts_sum(h, down[0], ids, top_w.reshape(-1).contiguous(), down[1], i_dim,
+                                    out_dtype=a.dtype)
         y = gemv_experts(h, down[0], ids, down[1], i_dim)
     else:
         g = gemv_experts(x, gate[0], ids, gate[1], h_dim)
