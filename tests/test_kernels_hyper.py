@@ -141,6 +141,18 @@ def test_hc_read_is_deterministic():
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
 
 
+@pytest.mark.parametrize("S,H,R,dtype,knobs", CASES[:4])
+def test_finishing_in_the_down_kernel_changes_no_bit(S, H, R, dtype, knobs):
+    """The down kernel's last program per row block finishing m and iota (tickets) gives the bits of every up
+    program summing the partials itself: the same sums in the same order, the same roundings; twice in a row,
+    so the tickets were put back."""
+    x, norm, down, up, inject = make(S, H, R, dtype, seed=S * 100 + H + R)
+    base = hyper.hc_read(x, norm, down, up, inject, S, EPS, finish_in_down=False, **knobs)
+    for _ in range(2):
+        got = hyper.hc_read(x, norm, down, up, inject, S, EPS, **knobs)
+        assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])
+
+
 def test_sweep_configs_are_valid_and_correct():
     """Every setting `hc_read_configs` offers for the benchmark sweep runs and matches the reference (on a tiny
     shape, where the settings derived for 132 SMs are clamped to the shape)."""

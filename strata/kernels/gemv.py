@@ -638,9 +638,11 @@ _counters: dict[torch.device, torch.Tensor] = {}
 _regions: dict[tuple[torch.device, int], int] = {}
 
 
-def _tickets(device: torch.device) -> torch.Tensor | None:
+def tickets(device: torch.device) -> torch.Tensor | None:
     """The split-K ticket counters of the current stream on `device` (None when every region is taken): zeros,
-    and back to zero after every launch (the last program of each tile resets its counter). One buffer per device,
+    and back to zero after every launch (the last program of each tile resets its counter). Kernels of one
+    stream share them (`strata.kernels.hyper` too): each takes its tickets only after its `pdl.wait`, when the
+    kernel before it has finished. One buffer per device,
     made on first use (a decode step's warm-up, before any capture) and kept, so every captured graph uses it."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     if device not in _counters:
@@ -685,7 +687,7 @@ def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | N
         split_k = t.small_split[up is not None]
     summed = slot_weights is not None
     sk = 1 if summed else _split(split_k, n_chunks, tiles)
-    cnt = _tickets(w.device) if sk > 1 or summed else None
+    cnt = tickets(w.device) if sk > 1 or summed else None
     if cnt is None:
         sk = 1
     consts = dict(dec, T=n_tok, T_PAD=t_pad, HAS_IDS=ids is not None, SPLIT=sk,
@@ -775,7 +777,7 @@ def gemv_experts_sum(x: torch.Tensor, w_data: torch.Tensor, expert_ids: torch.Te
                          f"{tuple(slot_weights.shape)} on {slot_weights.device}")
     n = w.shape[1]
     out = _out(out, (1, n), w.device, out_dtype)
-    if _tickets(w.device) is None or triton.cdiv(n, _rows(t, 1, block_n, n * k_sel, True)) > SPLIT_COUNTERS:
+    if tickets(w.device) is None or triton.cdiv(n, _rows(t, 1, block_n, n * k_sel, True)) > SPLIT_COUNTERS:
         from strata.kernels.moe import slot_sum
 
         y = gemv_experts(x, w_data, expert_ids, type_id, K, block_n=block_n, num_warps=num_warps)

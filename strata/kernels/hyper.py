@@ -41,6 +41,7 @@ import triton.language as tl
 
 from strata.kernels import pdl
 from strata.kernels.attention import sm_count
+from strata.kernels.gemv import tickets
 from strata.weights.tensor import StoredTensor
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -49,10 +50,11 @@ STATS_BLOCK = 2048  # x values per statistics load: bounds the registers the inv
 
 
 @triton.jit
-def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, wi_ptr, y_ptr, xo_ptr,
-                    H, R, NI, RT, NRBD, eps,
+def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, wi_ptr, y_ptr, xo_ptr, cnt_ptr, m_ptr,
+                    iota_ptr, H, R, NI, RT, NRBD, eps,
                     S: tl.constexpr, KPS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr,
-                    NHB: tl.constexpr, DT: tl.constexpr, WRITE: tl.constexpr, GDC: tl.constexpr = False):
+                    NHB: tl.constexpr, DT: tl.constexpr, WRITE: tl.constexpr, TICKETS: tl.constexpr,
+                    GDC: tl.constexpr = False):
     """part[pk, row] = sum over the chunk's k of W[row, k] * GN(x)[k] (fp32) for BR rows; rstd[s] by one
     program per stream. All global loads come first: the compiler does not move loads above the barriers of
     the reductions, so this is what puts the weight tile in flight together with the statistics.
@@ -60,7 +62,12 @@ def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, wi_p
     WRITE: the state read is x' = x + round(wi[s] * y) (the preceding block's write, rounded as
     `hc_write_ref`), formed on the fly from x, y and wi wherever x is read (the chunk and the statistics pass),
     so the write costs no launch; the row-block-0 programs, whose chunks tile x exactly once, store x' to xo
-    for the up kernel (launched after this one) and the caller. GDC (PDL): the weight tile and norm scales
+    for the up kernel (launched after this one) and the caller.
+
+    TICKETS: the last of a row block's S*KPS programs to finish (a ticket from cnt[row block]) sums the block's
+    partials in chunk order and stores the finished rows: m = SiLU(round(sum) / S) (fp32, to m) for down rows,
+    iota = 2 sigma(round(sum) / S) for inject rows; so the up programs load m instead of each summing every
+    partial again (640 x 25 KB of L2 reads per read at the real geometry). Same sums, same order: same bits. GDC (PDL): the weight tile and norm scales
     are loaded before the wait for the previous kernel, the state after."""
     pdl.started(GDC)
     pr = tl.program_id(0)
@@ -105,21 +112,35 @@ def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, wi_p
     tl.store(part_ptr + pk * RT + col, tl.sum(w.to(tl.float32) * xn, axis=1), mask=rm)
     if (pr == 0) & (c == 0):
         tl.store(rstd_ptr + s, rs)
+    if TICKETS:
+        tl.debug_barrier()  # every thread's partial is written before the ticket is drawn
+        if tl.atomic_add(cnt_ptr + pr, 1, sem="acq_rel", scope="gpu") == S * KPS - 1:
+            p = tl.zeros([BR], tl.float32)
+            for kc in tl.static_range(S * KPS):  # fixed order, as the up kernel's sum
+                p += tl.load(part_ptr + kc * RT + col, mask=rm, other=0.0, cache_modifier=".cg")
+            y = p.to(DT).to(tl.float32)
+            y = tl.math.div_rn(y, S).to(DT).to(tl.float32)
+            if pr < NRBD:
+                tl.store(m_ptr + r, (y * tl.sigmoid(y)).to(DT).to(tl.float32), mask=rm)
+            else:
+                tl.store(iota_ptr + r, (2.0 * tl.sigmoid(y).to(DT).to(tl.float32)).to(DT), mask=rm)
+            tl.atomic_xchg(cnt_ptr + pr, 0, sem="relaxed", scope="gpu")  # back to 0 for the next launch
     if WRITE:  # noqa: SIM102 - a compile-time branch around a run-time one
         if pr == 0:  # last: a store ahead of the statistics loads would keep them from being issued early
             tl.store(xo_ptr + k, xv.to(DT), mask=km)
 
 
 @triton.jit
-def _hc_up_kernel(x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, a_ptr, iota_ptr, H, R, NI, RT,
+def _hc_up_kernel(x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, m_ptr, a_ptr, iota_ptr, H, R, NI, RT,
                   S: tl.constexpr, SP: tl.constexpr, NKC: tl.constexpr, BH: tl.constexpr, RC: tl.constexpr,
-                  NRC: tl.constexpr, NIP: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False):
+                  NRC: tl.constexpr, NIP: tl.constexpr, DT: tl.constexpr, TICKETS: tl.constexpr,
+                  GDC: tl.constexpr = False):
     """a[i] = mean_s GN(x)[s, i] * sigma((W_up m)[s*H + i]) for BH features i, m = SiLU((sum of the down
     partials) / S); the last program also writes iota = 2 sigma((sum of the inject partials) / S). The loads
     come first for the same reason as in the down kernel; the loop over NRC column chunks has no barrier, so
     the compiler may issue all chunks' loads together, but that is its choice (NRC = 1 leaves it none).
     GDC (PDL): the norm scales and the first column chunk of W_up are loaded before the wait for the down
-    kernel, everything it wrote after."""
+    kernel, everything it wrote after. TICKETS: the down kernel finished m and iota (see there); m is loaded."""
     pdl.started(GDC)
     pid = tl.program_id(0)
     ni = tl.where(pid == tl.num_programs(0) - 1, NI, 0)  # inject rows this program handles
@@ -134,7 +155,7 @@ def _hc_up_kernel(x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, a_ptr, iota_ptr, 
     pdl.wait(GDC)
     xv = tl.load(x_ptr + row, mask=fm, other=0.0).to(tl.float32)
     rs = tl.load(rstd_ptr + sv, mask=sv < S, other=0.0)
-    if NIP > 0:  # loaded (predicated) by every program, used by the last: no dependent load at the end
+    if (NIP > 0) and not TICKETS:  # loaded (predicated) by every program, used by the last
         n = tl.arange(0, NIP)
         pi = tl.zeros([NIP], tl.float32)
         for kc in tl.static_range(NKC):
@@ -148,18 +169,21 @@ def _hc_up_kernel(x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, a_ptr, iota_ptr, 
         else:
             w = tl.load(up_ptr + row[:, :, None] * R + r[None, None, :], mask=fm[:, :, None] & rm[None, None, :],
                         other=0.0)
-        p = tl.zeros([RC], tl.float32)
-        for kc in tl.static_range(NKC):  # fixed order: the same sum in every program and every call
-            p += tl.load(part_ptr + kc * RT + r, mask=rm, other=0.0)
-        y = p.to(DT).to(tl.float32)
-        y = tl.math.div_rn(y, S).to(DT).to(tl.float32)
-        mv = (y * tl.sigmoid(y)).to(DT).to(tl.float32)
+        if TICKETS:
+            mv = tl.load(m_ptr + r, mask=rm, other=0.0)
+        else:
+            p = tl.zeros([RC], tl.float32)
+            for kc in tl.static_range(NKC):  # fixed order: the same sum in every program and every call
+                p += tl.load(part_ptr + kc * RT + r, mask=rm, other=0.0)
+            y = p.to(DT).to(tl.float32)
+            y = tl.math.div_rn(y, S).to(DT).to(tl.float32)
+            mv = (y * tl.sigmoid(y)).to(DT).to(tl.float32)
         acc += tl.sum(w.to(tl.float32) * mv[None, None, :], axis=2)
     gate = tl.sigmoid(acc.to(DT).to(tl.float32)).to(DT).to(tl.float32)
     xn = (xv * rs[:, None] * nv).to(DT).to(tl.float32)
     prod = tl.where(fm, (gate * xn).to(DT).to(tl.float32), 0.0)
     tl.store(a_ptr + i, tl.math.div_rn(tl.sum(prod, axis=0), S).to(DT), mask=i < H)
-    if NIP > 0:
+    if (NIP > 0) and not TICKETS:
         yi = pi.to(DT).to(tl.float32)
         yi = tl.math.div_rn(yi, S).to(DT).to(tl.float32)
         yi = tl.sigmoid(yi).to(DT).to(tl.float32)
@@ -227,7 +251,7 @@ def hc_read_configs(streams: int, hidden: int, rank: int, sms: int) -> list[dict
 def hc_read(x: torch.Tensor, norm: torch.Tensor, down: StoredTensor, up: StoredTensor,
             inject: StoredTensor | None, streams: int, eps: float, block_rows: int | None = None,
             block_h: int | None = None, *, block_k: int | None = None, block_r: int | None = None,
-            warps_down: int | None = None, warps_up: int | None = None,
+            warps_down: int | None = None, warps_up: int | None = None, finish_in_down: bool = True,
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Block input a (1, H) and injection weights (1, S) (None without `inject`) from the state x (1, S*H).
 
@@ -235,9 +259,10 @@ def hc_read(x: torch.Tensor, norm: torch.Tensor, down: StoredTensor, up: StoredT
     W_down / W_inject rows per down program; `block_k` inputs of one stream per down program (>= H: one chunk
     per stream); `block_h` output features per up program (times S weight rows); `block_r` W_up columns per up
     tile (< R: several chunks, less padding of R, more load instructions); `warps_down`, `warps_up` warps per
-    program."""
+    program; `finish_in_down` (default): the down kernel's last program of each row block sums its partials
+    (split-K tickets, `gemv.tickets`; False, or no counters left: every up program sums them)."""
     _, a, iota = _launch(x, None, norm, down, up, inject, streams, eps, block_rows, block_h, block_k, block_r,
-                         warps_down, warps_up)
+                         warps_down, warps_up, finish_in_down)
     return a, iota
 
 
@@ -245,16 +270,16 @@ def hc_write_read(x: torch.Tensor, inject_prev: torch.Tensor, y: torch.Tensor, n
                   down: StoredTensor, up: StoredTensor, inject: StoredTensor | None, streams: int, eps: float,
                   block_rows: int | None = None, block_h: int | None = None, *, block_k: int | None = None,
                   block_r: int | None = None, warps_down: int | None = None, warps_up: int | None = None,
-                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                  finish_in_down: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The write x' = x + inject_prev (1, S) x y (1, H) folded into the read of x', in the read's two launches
     (the twin of `strata.model.hyper.hc_write_read_ref`): (x' (1, S*H), a, injection weights | None). The
     down programs form x' where they read x; the up kernel reads the x' they stored. Knobs as `hc_read`."""
     return _launch(x, (inject_prev, y), norm, down, up, inject, streams, eps, block_rows, block_h, block_k,
-                   block_r, warps_down, warps_up)
+                   block_r, warps_down, warps_up, finish_in_down)
 
 
 def _launch(x, write, norm, down, up, inject, streams, eps, block_rows, block_h, block_k, block_r, warps_down,
-            warps_up):
+            warps_up, finish_in_down=True):
     """Both launches of the read, of x (write None) or of x + round(inject_prev * y) (write = (inject_prev,
     y)): (x' or None, a, iota or None)."""
     dt, dev = x.dtype, x.device
@@ -285,15 +310,21 @@ def _launch(x, write, norm, down, up, inject, streams, eps, block_rows, block_h,
     part = torch.empty(nkc, rt, dtype=torch.float32, device=dev)
     rstd = torch.empty(S, dtype=torch.float32, device=dev)
     hb = min(STATS_BLOCK, triton.next_power_of_2(H))
-    _hc_down_kernel[(nrbd + triton.cdiv(ni, br), nkc)](
-        x, norm, wd, wi, part, rstd, inj_prev, y, x_new, H, R, ni, rt, nrbd, eps,
-        S=S, KPS=kps, BR=br, BK=bk, HB=hb, NHB=triton.cdiv(H, hb), DT=TL_DTYPES[dt], WRITE=write is not None,
-        num_warps=warps_down or d["warps_down"], **pdl.launch(dev))
+    row_blocks = nrbd + triton.cdiv(ni, br)
+    cnt = tickets(dev) if finish_in_down else None
+    if cnt is not None and row_blocks > cnt.numel():
+        cnt = None
+    m = torch.empty(R, dtype=torch.float32, device=dev)
     a = torch.empty(1, H, dtype=dt, device=dev)
     iota = torch.empty(1, max(ni, 1), dtype=dt, device=dev)
+    _hc_down_kernel[(row_blocks, nkc)](
+        x, norm, wd, wi, part, rstd, inj_prev, y, x_new, cnt if cnt is not None else rstd, m, iota,
+        H, R, ni, rt, nrbd, eps,
+        S=S, KPS=kps, BR=br, BK=bk, HB=hb, NHB=triton.cdiv(H, hb), DT=TL_DTYPES[dt], WRITE=write is not None,
+        TICKETS=cnt is not None, num_warps=warps_down or d["warps_down"], **pdl.launch(dev))
     _hc_up_kernel[(triton.cdiv(H, bh),)](
-        x_new, norm, rstd, wu, part, a, iota, H, R, ni, rt,
+        x_new, norm, rstd, wu, part, m, a, iota, H, R, ni, rt,
         S=S, SP=triton.next_power_of_2(S), NKC=nkc, BH=bh, RC=rc, NRC=triton.cdiv(R, rc),
-        NIP=triton.next_power_of_2(ni) if ni else 0, DT=TL_DTYPES[dt], num_warps=warps_up or d["warps_up"],
-        **pdl.launch(dev))
+        NIP=triton.next_power_of_2(ni) if ni else 0, DT=TL_DTYPES[dt], TICKETS=cnt is not None,
+        num_warps=warps_up or d["warps_up"], **pdl.launch(dev))
     return (x_new if write is not None else None), a, (iota if inject is not None else None)
