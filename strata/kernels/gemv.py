@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.errors import StrataError
 from strata.kernels import gemv_blocks as gb
 from strata.kernels import pdl
 from strata.kernels.gemv_tables import device_table
@@ -643,7 +644,9 @@ def tickets(device: torch.device) -> torch.Tensor | None:
     and back to zero after every launch (the last program of each tile resets its counter). Kernels of one
     stream share them (`strata.kernels.hyper` too): each takes its tickets only after its `pdl.wait`, when the
     kernel before it has finished. One buffer per device,
-    made on first use (a decode step's warm-up, before any capture) and kept, so every captured graph uses it."""
+    made on first use (a decode step's warm-up, before any capture) and kept, so every captured graph uses it.
+    Streams keep their region for the life of the process: kernels run on the caller's stream and on the
+    fixed side streams of `strata.runtime.streams`, never on one made per step."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     if device not in _counters:
         _counters[device] = torch.zeros(COUNTER_REGIONS, SPLIT_COUNTERS, dtype=torch.int32, device=device)
@@ -651,6 +654,11 @@ def tickets(device: torch.device) -> torch.Tensor | None:
     if key not in _regions:
         taken = sum(d == device for d, _ in _regions)
         if taken >= COUNTER_REGIONS:
+            if torch.cuda.is_current_stream_capturing():
+                # the fallback launches differ from the warm-up's, so they would compile inside the capture
+                raise StrataError(f"no split-K ticket region left for the capturing stream: {COUNTER_REGIONS} "
+                                  "streams already hold one; run kernels on the fixed side streams of "
+                                  "strata.runtime.streams.side_stream")
             return None
         _regions[key] = taken
     return _counters[device][_regions[key]]

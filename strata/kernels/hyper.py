@@ -242,6 +242,10 @@ def hc_read_configs(streams: int, hidden: int, rank: int, sms: int) -> list[dict
                {"block_r": max(16, min(64, rp))},  # R = 320: five unpadded column chunks
                {"block_rows": 8, "block_k": min(1024, h2), "block_h": 2 * d["block_h"], "block_r": rp, "warps_up": 8},
                {"warps_down": 8, "warps_up": 8},
+               {"block_rows": 8, "block_k": min(1024, h2), "block_h": max(1, d["block_h"] // 2)},
+               {"block_rows": 4, "block_k": min(1024, h2)},  # more, shorter finishing programs
+               {"block_rows": 8, "block_k": min(512, h2)},
+               {"block_rows": 4, "block_k": min(2048, h2), "warps_down": 8},
                {"finish_in_down": False}):  # every up program sums the partials
         c = dict(d, **kw)
         if c not in out:

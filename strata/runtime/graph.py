@@ -18,6 +18,7 @@ from strata.model.experts import experts_gather
 from strata.model.model import Model, StepInputs
 from strata.model.ops import Ops
 from strata.runtime.state import SequenceState
+from strata.runtime.streams import CAPTURE_LANE, side_stream
 
 
 def capturable(ops: Ops) -> Ops:
@@ -153,7 +154,7 @@ class DecodeStep:
         # replay that follows computes the token.
         snapshot = self.state.clone()
         offset = self.sampler.offset.clone() if kind == "sampled" else None
-        side = torch.cuda.Stream()
+        side = side_stream(self.model.device, CAPTURE_LANE)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
@@ -161,7 +162,7 @@ class DecodeStep:
                 self._restore(snapshot, offset)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=side):
             self.outs[kind] = self._compute(kind)
         self.graphs[kind] = graph
         self._restore(snapshot, offset)

@@ -20,23 +20,30 @@ import torch
 from strata.model.ops import branches_ref
 
 
+CAPTURE_LANE = 0
+"""The side stream a decode step warms up and is captured on (`strata.runtime.graph`); branches use 1, 2, ..."""
+
+_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device, lane: int) -> torch.cuda.Stream:
+    """Side stream `lane` of `device`, made once per process and shared by every engine and decode step. The
+    split-K ticket counters (`strata.kernels.gemv.tickets`) give each stream a region of their own and have
+    only a few, so the streams that run kernels must be a small fixed set, not one per step or per engine."""
+    key = (device.index if device.index is not None else torch.cuda.current_device(), lane)
+    if key not in _streams:
+        _streams[key] = torch.cuda.Stream(device=key[0])
+    return _streams[key]
+
+
 class SideStreams:
-    """`Ops.branches` on CUDA: branch i > 0 on side stream i of x's device (made once, reused)."""
-
-    def __init__(self) -> None:
-        self._streams: dict[tuple[int, int], torch.cuda.Stream] = {}
-
-    def _stream(self, device: torch.device, i: int) -> torch.cuda.Stream:
-        key = (device.index if device.index is not None else torch.cuda.current_device(), i)
-        if key not in self._streams:
-            self._streams[key] = torch.cuda.Stream(device=key[0])
-        return self._streams[key]
+    """`Ops.branches` on CUDA: branch i > 0 on side stream `CAPTURE_LANE + i` of x's device."""
 
     def __call__(self, x: torch.Tensor, fns: Sequence[Callable[[], object]]) -> list[object]:
         if not x.is_cuda or len(fns) < 2:
             return branches_ref(x, fns)
         main = torch.cuda.current_stream(x.device)
-        sides = [self._stream(x.device, i) for i in range(1, len(fns))]
+        sides = [side_stream(x.device, CAPTURE_LANE + i) for i in range(1, len(fns))]
         outs: list[object] = [None] * len(fns)
         for i, side in enumerate(sides, 1):
             side.wait_stream(main)
