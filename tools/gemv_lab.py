@@ -50,7 +50,8 @@ LAB_TYPES = {"Q4_K_BYTES": G._Q4_K_BYTES,
              "Q4_K_NOPIPE": dataclasses.replace(G.gemv_type("Q4_K"), load=None, unpack=None),
              "Q5_1_PIPE": dataclasses.replace(G.gemv_type("Q5_1"), load=gb.load_q5_1, unpack=gb.unpack_q5_1),
              "Q8_0_R8_PIPE": dataclasses.replace(G.gemv_type("Q8_0_R8"), load=gb.load_q8_0_r8,
-                                                 unpack=gb.unpack_q8_0_r8)}
+                                                 unpack=gb.unpack_q8_0_r8),
+             "Q6_K_P_NOPIPE": dataclasses.replace(G.gemv_type("Q6_K_P"), load=None, unpack=None)}
 """Decoders not in the production table, by name: Q4_K_BYTES is Q4_K's byte-wise form, which production keeps
 for small one-token launches only; Q4_K_NOPIPE is Q4_K's decoder called whole (no software-pipelined K loop),
 NAME_PIPE NAME's decoder pipelined (H200, 8d02f4e: Q4_K routed GLU 21.9 -> 19.6 us pipelined; Q5_1 expert down
@@ -84,6 +85,9 @@ SUITE = [
     ("Q8_0_R8_PIPE", [(16432, 2560)], [_D]),
     ("Q8_0", [(2560, 6144)], [_D]),
     ("Q6_K", [(248320, 2560)], [_D]),
+    ("Q6_K_P", [(248320, 2560)], [_D, ("bn4", 4, None, None), ("bn16", 16, None, None), ("w8", None, 8, None),
+                                  ("bn16 w8", 16, 8, None), ("bn4 w2", 4, 2, None)]),
+    ("Q6_K_P_NOPIPE", [(248320, 2560)], [_D, ("bn16", 16, None, None)]),
 ]
 """(type, [(N, K)], [(label, block_n, num_warps, split_k)]): the production defaults against other launch shapes
 at the decode step's shapes (GDN projections, out projection, head); NAME_PIPE / NAME_NOPIPE: the K loop with /

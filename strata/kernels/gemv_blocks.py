@@ -608,3 +608,54 @@ def decode_q8_0_r8(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
     16-byte vectors (here the hardware int-to-float convert, whose quarter rate is not the limit: the GEMV is
     bound by load traffic through L1). NB groups per chunk. [BN, NB, 8 = block, 32]."""
     return unpack_q8_0_r8(load_q8_0_r8(rp, tab, BN, NB), tab, BN, NB)
+
+
+@triton.jit
+def load_q6_k_p(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """The loads of `decode_q6_k_p`: ql as [BN, 4 = g, 8 = u] int32 words, qh as the same tile (word u of half
+    g // 2, each loaded for both g of a half), the scale words of nibble 0 and 1 ([BN, 4, 1]) and the word of d."""
+    g = tl.arange(0, 4)[:, None]
+    u = tl.arange(0, 8)[None, :]
+    wp = rp.to(tl.pointer_type(tl.int32))
+    ql = tl.load(wp[:, None, None] + (g * 8 + u)[None])
+    qh = tl.load(wp[:, None, None] + (32 + (g // 2) * 8 + u)[None])
+    s0 = tl.load(wp[:, None, None] + (48 + (g // 2) * 2)[None])
+    s1 = tl.load(wp[:, None, None] + (49 + (g // 2) * 2)[None])
+    return ql, qh, s0, s1, tl.load(wp + 52)
+
+
+@triton.jit
+def _q6_nibbles(ql, qh, sc, a2, N: tl.constexpr):
+    """The four weights of byte t = 0..3 of the ql and qh words for nibble N, as [..., 2, 2] (`_j4`)."""
+    return _j4(_i2f(((ql >> (4 * N)) & 15) | (((qh >> (4 * N + a2)) & 3) << 4), 32.0) * sc,
+               _i2f(((ql >> (8 + 4 * N)) & 15) | (((qh >> (8 + 4 * N + a2)) & 3) << 4), 32.0) * sc,
+               _i2f(((ql >> (16 + 4 * N)) & 15) | (((qh >> (16 + 4 * N + a2)) & 3) << 4), 32.0) * sc,
+               _i2f(((ql >> (24 + 4 * N)) & 15) | (((qh >> (24 + 4 * N + a2)) & 3) << 4), 32.0) * sc)
+
+
+@triton.jit
+def unpack_q6_k_p(raw, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """The arithmetic of `decode_q6_k_p` on the words `load_q6_k_p` loaded."""
+    tl.static_assert(NB == 1, "decode_q6_k_p: one super-block per chunk")
+    ql, qh, s0, s1, dw = raw
+    g = tl.arange(0, 4)[:, None]
+    u = tl.arange(0, 8)[None, :]
+    a = g % 2
+    d = (dw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, None, None]
+    sh = (8 * (2 * a + u // 4))[None]  # the byte of scale 8h + 4n + 2a + u // 4 in word 2h + n
+    sc0 = _i2f(((s0 >> sh) & 255) ^ 0x80, 128.0) * d
+    sc1 = _i2f(((s1 >> sh) & 255) ^ 0x80, 128.0) * d
+    a2 = (2 * a)[None]
+    w = tl.join(_q6_nibbles(ql, qh, sc0, a2, 0), _q6_nibbles(ql, qh, sc1, a2, 1))
+    base = 128 * (g // 2) + 32 * a + 4 * u
+    xl = _j4(base, base + 1, base + 2, base + 3)
+    return w, tl.join(xl, xl + 64)
+
+
+@triton.jit
+def decode_q6_k_p(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """Q6_K_P: Q6_K blocks padded to 224 bytes, read as int32 words. Element 128h + 64n + 32a + l (l = 4u + t)
+    is nibble n of ql[64h + 32a + l] with bits 4n + 2a of qh[32h + l] on top, scaled by scales[8h + 4n + 2a +
+    l // 16] and d. [BN, 4 = g (h = g // 2, a = g % 2), 8 = u, 2, 2 = byte t, 2 = nibble n]; one super-block per
+    chunk."""
+    return unpack_q6_k_p(load_q6_k_p(rp, tab, BN, NB), tab, BN, NB)

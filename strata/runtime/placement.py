@@ -15,7 +15,7 @@ import torch
 from strata.errors import StrataError
 from strata.model.ops import Ops
 from strata.weights.quant_tensor import QuantTensor
-from strata.weights.repack import repack_rows
+from strata.weights.repack import Q6_K_ID, Q6_K_P_ID, pad_q6_k, repack_rows
 from strata.weights.schema import Weights
 from strata.weights.tensor import DenseTensor, StackedTensor, StoredTensor, raw_rows
 
@@ -72,8 +72,16 @@ def place(w: Weights, device: torch.device | str) -> Weights:
             # Per-expert parts (HF layout) become one device stack, so the expert kernel reads it by id.
             moved[name] = DenseTensor(name, torch.stack([p.tensor.to(device) for p in t.parts]))
         else:
-            moved[name] = t.to(device)
+            moved[name] = padded_matrix(t.to(device))
     return fuse_groups(Weights(w.cfg, moved, w.gdn_value_order, w.source, w.unknown), repack=True)
+
+
+def padded_matrix(t: StoredTensor) -> StoredTensor:
+    """A 2-D Q6_K matrix in the Q6_K_P layout (`strata.weights.repack`: blocks padded to 16-byte multiples, so the
+    GEMV loads words instead of bytes), anything else unchanged. Same values."""
+    if isinstance(t, QuantTensor) and t.type_id == Q6_K_ID and len(t.shape) == 2:
+        return QuantTensor(t.name, pad_q6_k(t.data, t.shape[1]), Q6_K_P_ID, t.shape)
+    return t
 
 
 def fuse_groups(w: Weights, repack: bool = False) -> Weights:
