@@ -204,21 +204,24 @@ def _pow2_floor(n: int) -> int:
 def hc_read_defaults(streams: int, hidden: int, rank: int, sms: int) -> dict:
     """The knob values `hc_read` uses when none are given (see `hc_read` for their meaning), and why.
 
-    Down: 16 rows per program (fewer row blocks means fewer re-reads of the inputs and fp32 norm scales, 6
-    bytes per input per row block), then the widest K chunk (<= 1024) that still gives about three programs per
-    SM, so every SM has ~50 KB of weights in flight from the start. Up: about four programs per SM (measured on
-    an H200 by tools/gpu_check_fused.py: 11.6 us per read against 13.4 with two and 14.5 with one); each holds
-    its [S, BH, R] weights as one tile (R padded to a power of two: registers, not bytes) while that stays
-    <= 16K elements, so that all of it is in flight at once. 4 warps each.
-    At the real geometry on an H200 (S=4, H=2560, R=320, 132 SMs): 21 x 20 down programs of [16, 512] (16 KB),
-    640 up programs of [4, 4, 512 (320 used)] (10 KB) that each reduce 20 partial rows (25 KB, L2)."""
+    Down: 8 rows per program, then the widest K chunk (<= 1024) that still gives about three programs per SM, so
+    every SM has ~50 KB of weights in flight from the start. The last program of each row block sums the block's
+    partials (`finish_in_down`), so thin row blocks spread that tail over more programs; they re-read the
+    inputs and fp32 norm scales more often (6 bytes per input per row block), which costs less. Up: about eight
+    programs per SM; each holds its [S, BH, R] weights as one tile (R padded to a power of two: registers, not
+    bytes) while that stays <= 16K elements, so that all of it is in flight at once. 4 warps each.
+    Measured on an H200 by tools/gpu_check_fused.py (the sweep of `hc_read_configs`, one session): 7.6 us per
+    read against 9.7 with 16 rows, K chunks of 512 and four up programs per SM (the previous defaults), 8.1-8.4
+    with 8 rows and four up programs per SM, 8.8 with 16 rows and eight.
+    At the real geometry (S=4, H=2560, R=320, 132 SMs): 41 x 12 down programs of [8, 1024] (16 KB), 1280 up
+    programs of [4, 2, 512 (320 used)] (5 KB)."""
     S, H, R = streams, hidden, rank
-    br = min(16, triton.next_power_of_2(R))
+    br = min(8, triton.next_power_of_2(R))
     nrb = triton.cdiv(R, br) + triton.cdiv(S, br)
     bk = min(1024, triton.next_power_of_2(H))
     while bk > 64 and nrb * S * triton.cdiv(H, bk) < 3 * sms:
         bk //= 2
-    bh = max(1, min(64, _pow2_floor(H // max(1, 4 * sms))))
+    bh = max(1, min(64, _pow2_floor(H // max(1, 8 * sms))))
     rc = min(triton.next_power_of_2(R), max(16, _pow2_floor(16384 // (triton.next_power_of_2(S) * bh))))
     return {"block_rows": br, "block_k": bk, "block_h": bh, "block_r": rc, "warps_down": 4, "warps_up": 4}
 
@@ -233,7 +236,8 @@ def hc_read_configs(streams: int, hidden: int, rank: int, sms: int) -> list[dict
     h2 = triton.next_power_of_2(H)
     rp = triton.next_power_of_2(R)
     out = [d]
-    for kw in ({"block_rows": 8, "block_k": min(1024, h2)},  # 12 partial rows at the real geometry
+    for kw in ({"block_rows": 16, "block_k": min(512, h2), "block_h": 2 * d["block_h"]},  # the defaults until 0de2ee7
+               {"block_rows": 8, "block_k": min(1024, h2)},  # 12 partial rows at the real geometry
                {"block_rows": 8, "block_k": min(2048, h2), "warps_down": 8},  # 8
                {"block_rows": 4, "block_k": h2, "warps_down": 8},  # one chunk per stream: 4, no statistics pass
                {"block_rows": 32, "block_k": min(256, h2)},
