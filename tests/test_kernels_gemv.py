@@ -104,6 +104,16 @@ def test_gemv_quantized(name: str) -> None:
     check(y, x, dequant_ref(name, raw, k))
 
 
+@pytest.mark.parametrize("k", [256, 768, 1024])
+def test_gemv_q4_k_super_blocks_per_step(k: int) -> None:
+    """Q4_K decodes two super-blocks per K step where the row's block count is even, else one: both match."""
+    rng = np.random.default_rng(k)
+    raw = random_blocks("Q4_K", 5, k, rng)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(k))
+    assert G._chunk_blocks(G.gemv_type("Q4_K"), k) == (1 if (k // 256) % 2 else 2)
+    check(G.gemv(x, raw, 12, k, block_n=4), x, dequant_ref("Q4_K", raw, k))
+
+
 @pytest.mark.parametrize("name", QUANT_TYPES)
 def test_gemv_experts(name: str) -> None:
     """Per-slot inputs (down projection) and one shared input (gate/up), ids int32 and int64, read on device."""
