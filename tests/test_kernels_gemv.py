@@ -317,18 +317,30 @@ def test_decode_rows_of_stored_rows_equals_rows(monkeypatch) -> None:
         table.stored_rows(torch.tensor([40]))
 
 
-@pytest.mark.parametrize("kind", ["quant", "sharded", "dense"])
-def test_stored_rows_into_equals_stored_rows(kind: str) -> None:
-    """The decode step's gather into its host buffer (`stored_rows_into`: numpy for host rows, else through
-    `stored_rows`) writes exactly what `stored_rows` returns, and refuses rows outside the table."""
+@pytest.mark.parametrize("kind", ["quant", "sharded", "dense", "bf16", "one-shard bf16", "sharded bf16"])
+def test_stored_rows_into_equals_stored_rows(kind: str, monkeypatch) -> None:
+    """The decode step's gather into its host buffer (`stored_rows_into`: numpy over the rows' bytes for host
+    tables, quantized or dense) writes exactly what `stored_rows` returns, without going through it, and refuses
+    rows outside the table."""
     rng = np.random.default_rng(14)
+    gen = torch.Generator().manual_seed(5)
+
+    def bf16(name: str, n: int) -> DenseTensor:
+        return DenseTensor(name, torch.randn(n, 64, generator=gen).to(torch.bfloat16))
+
     table = {"quant": lambda: QuantTensor("t", random_blocks("IQ4_NL", 40, 64, rng), 20, (40, 64)),
              "sharded": lambda: RowConcatTensor("s", [QuantTensor(f"s{i}", random_blocks("IQ4_NL", n, 64, rng), 20,
                                                                   (n, 64)) for i, n in enumerate((7, 20, 13))]),
-             "dense": lambda: DenseTensor("d", torch.randn(40, 64, generator=torch.Generator().manual_seed(5)))}[kind]()
+             "dense": lambda: DenseTensor("d", torch.randn(40, 64, generator=gen)),
+             "bf16": lambda: bf16("b", 40),
+             "one-shard bf16": lambda: RowConcatTensor("o", [bf16("o0", 40)]),
+             "sharded bf16": lambda: RowConcatTensor("s", [bf16(f"s{i}", n) for i, n in enumerate((7, 20, 13))]),
+             }[kind]()
     rows = [3, 39, 3, 20, 0, 19, 6, 7, 26, 27]
     want = table.stored_rows(torch.tensor(rows))
     out = torch.full_like(want, 7)
+    for t in (table, *getattr(table, "parts", ())):
+        monkeypatch.setattr(t, "stored_rows", lambda index: pytest.fail("took the tensor path"))
     table.stored_rows_into(rows, out)
     assert torch.equal(out, want)
     for bad in ([40], [-1]):

@@ -38,7 +38,7 @@ class QuantTensor(StoredTensor):
                               f"shape {list(shape)} (expected uint8 {[*shape[:-1], row_bytes]})")
         self.name = name
         self.data = data
-        self._host_rows: np.ndarray | None = None
+        self._host_rows: tuple[np.ndarray, torch.dtype] | None = None
         self.type_id = type_id
         self.kind = qtype.name
         self.shape = shape
@@ -75,11 +75,11 @@ class QuantTensor(StoredTensor):
         decoded = self.decode_rows(self.stored_rows(uniq), dtype)  # each distinct row decoded once
         return decoded[inverse.to(decoded.device)].reshape(*index.shape, self.cols)
 
-    def host_rows(self) -> np.ndarray | None:
-        if len(self.shape) != 2 or self.data.device.type != "cpu":
+    def host_rows(self) -> tuple[np.ndarray, torch.dtype] | None:
+        if len(self.shape) != 2 or self.data.device.type != "cpu" or not self.data.is_contiguous():
             return None
         if self._host_rows is None:
-            self._host_rows = self.data.numpy()
+            self._host_rows = (self.data.numpy(), torch.uint8)
         return self._host_rows
 
     def stored_rows(self, index: torch.Tensor) -> torch.Tensor:

@@ -53,9 +53,10 @@ class StoredTensor(ABC):
         """Rows from `stored_rows` (on any device), decoded: shape stored.shape[:-1] + (cols,) in `dtype`."""
         raise TypeError(f"{self.name}: a {type(self).__name__} has no stored rows")
 
-    def host_rows(self) -> np.ndarray | None:
-        """The stored rows as one 2-D numpy array on the host (no copy), where they are one host array, else
-        None: what `stored_rows_into` gathers from without building index tensors."""
+    def host_rows(self) -> tuple[np.ndarray, torch.dtype] | None:
+        """The stored rows as one 2-D uint8 numpy array (rows, row bytes) on the host (no copy) and the dtype
+        `stored_rows` returns them in, where they are one host array, else None: what `stored_rows_into` gathers
+        from without building index tensors."""
         return None
 
     def stored_rows_into(self, rows: Sequence[int], out: torch.Tensor) -> None:
@@ -65,11 +66,12 @@ class StoredTensor(ABC):
         n = self.shape[0]
         if rows and (min(rows) < 0 or max(rows) >= n):
             raise WeightError(f"{self.name}: row index out of range [0, {n})")
-        src = self.host_rows()
-        if src is None or out.dtype != torch.uint8 or len(self.shape) != 2:
+        host = self.host_rows()
+        dst = _byte_rows(out, len(rows), host)
+        if dst is None:
             out.copy_(self.stored_rows(torch.tensor(list(rows), dtype=torch.int64)).reshape(out.shape))
             return
-        np.take(src, rows, axis=0, out=out.numpy().reshape(len(rows), src.shape[1]))
+        np.take(host[0], rows, axis=0, out=dst)
 
     @property
     @abstractmethod
@@ -108,6 +110,7 @@ class DenseTensor(StoredTensor):
         self.shape = tuple(tensor.shape)
         self.kind = _KIND_OF.get(tensor.dtype, str(tensor.dtype).removeprefix("torch."))
         self._converted: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._host_rows: tuple[np.ndarray, torch.dtype] | None = None
 
     def dense(self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
         t = self.tensor
@@ -132,6 +135,14 @@ class DenseTensor(StoredTensor):
 
     def decode_rows(self, stored: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return stored.to(dtype)
+
+    def host_rows(self) -> tuple[np.ndarray, torch.dtype] | None:
+        t = self.tensor
+        if t.dim() != 2 or t.device.type != "cpu" or not t.is_contiguous():
+            return None
+        if self._host_rows is None:
+            self._host_rows = (t.view(torch.uint8).numpy(), t.dtype)
+        return self._host_rows
 
     def __getitem__(self, i: int) -> StoredTensor:
         if self.tensor.dim() != 3:
@@ -219,14 +230,18 @@ class RowConcatTensor(StoredTensor):
         return out.reshape(*index.shape, out.shape[-1])
 
     def stored_rows_into(self, rows: Sequence[int], out: torch.Tensor) -> None:
-        shards = [p.host_rows() for p in self.parts]
-        if any(s is None for s in shards) or out.dtype != torch.uint8 or self.kind == "mixed":
+        hosts = [p.host_rows() for p in self.parts]
+        dst = None if self.kind == "mixed" or any(h is None for h in hosts) else _byte_rows(out, len(rows), hosts[0])
+        if dst is None:
             out.copy_(self.stored_rows(torch.tensor(list(rows), dtype=torch.int64)).reshape(out.shape))
             return
         if rows and (min(rows) < 0 or max(rows) >= self.shape[0]):
             raise WeightError(f"{self.name}: row index out of range [0, {self.shape[0]})")
+        if len(hosts) == 1:
+            np.take(hosts[0][0], rows, axis=0, out=dst)
+            return
         starts = self._starts
-        dst = out.numpy().reshape(len(rows), shards[0].shape[1])
+        shards = [h[0] for h in hosts]
         for j, r in enumerate(rows):
             s = bisect.bisect_right(starts, r) - 1
             dst[j] = shards[s][r - starts[s]]
@@ -248,6 +263,16 @@ class RowConcatTensor(StoredTensor):
 
     def to(self, device: torch.device | str) -> StoredTensor:
         return RowConcatTensor(self.name, [p.to(device) for p in self.parts])
+
+
+def _byte_rows(out: torch.Tensor, n: int, host: tuple[np.ndarray, torch.dtype] | None) -> np.ndarray | None:
+    """`out` (a host tensor for n stored rows) as the (n, row bytes) uint8 numpy array `np.take` writes into, when
+    it holds rows of the host array's dtype and width; else None (the caller takes the tensor path)."""
+    if host is None or out.device.type != "cpu" or out.dtype != host[1] or not out.is_contiguous():
+        return None
+    if out.numel() * out.element_size() != n * host[0].shape[1]:
+        return None
+    return out.view(torch.uint8).numpy().reshape(n, host[0].shape[1])
 
 
 def raw_rows(t: StoredTensor) -> torch.Tensor | None:
