@@ -661,3 +661,45 @@ def decode_q6_k_p(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
     l // 16] and d. [BN, 4 = g (h = g // 2, a = g % 2), 8 = u, 2, 2 = byte t, 2 = nibble n]; one super-block per
     chunk."""
     return unpack_q6_k_p(load_q6_k_p(rp, tab, BN, NB), tab, BN, NB)
+
+
+@triton.jit
+def load_q5_1_r4(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """The loads of `decode_q5_1_r4`: per group the (d, m) words and the qh words as [BN, NB, 4], the qs words
+    as [BN, NB, 4 = block, 4 = word]."""
+    g = tl.arange(0, NB)
+    b = tl.arange(0, 4)
+    k = tl.arange(0, 4)
+    gw = rp.to(tl.pointer_type(tl.int32))[:, None] + (g * 24)[None, :]  # 96-byte groups: 24 words
+    dm = tl.load(gw[:, :, None] + b[None, None, :])
+    qh = tl.load((gw + 4)[:, :, None] + b[None, None, :])
+    v = tl.load((gw + 8)[:, :, None, None] + (b[:, None] * 4 + k[None, :])[None, None, :, :])
+    return dm, qh, v
+
+
+@triton.jit
+def unpack_q5_1_r4(raw, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """The arithmetic of `decode_q5_1_r4` on the words `load_q5_1_r4` loaded: `unpack_q5_1` per block."""
+    dm, qh, v = raw
+    d = (dm & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, :, :, None, None, None]
+    m = ((dm >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, :, :, None, None, None]
+    qh = qh[:, :, :, None]
+    g = tl.arange(0, NB)
+    b = tl.arange(0, 4)
+    k = tl.arange(0, 4)
+    e = (4 * k)[None, None, None, :]
+    lo = (v & 0x0F0F0F0F) | _spread4(qh >> e)
+    hi = ((v >> 4) & 0x0F0F0F0F) | _spread4(qh >> (e + 16))
+    wl = _j4(_byte(lo, 0), _byte(lo, 8), _byte(lo, 16), _byte(lo, 24))
+    wh = _j4(_byte(hi, 0), _byte(hi, 8), _byte(hi, 16), _byte(hi, 24))
+    base = g[:, None, None] * 128 + b[None, :, None] * 32 + 4 * k[None, None, :]
+    xl = _j4(base, base + 1, base + 2, base + 3)
+    return tl.join(_i2f(wl, 0.0) * d + m, _i2f(wh, 0.0) * d + m), tl.join(xl, xl + 16)
+
+
+@triton.jit
+def decode_q5_1_r4(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """Q5_1_R4: four Q5_1 blocks regrouped as {(fp16 d, m)[4]; uint32 qh[4]; qs[4][16]} (96 bytes), read as
+    16-byte vectors of int32 words; then Q5_1's arithmetic (`decode_q5_1`). NB groups per chunk.
+    [BN, NB, 4 = block, 4 = word, 2, 2 = byte, 2 = nibble]."""
+    return unpack_q5_1_r4(load_q5_1_r4(rp, tab, BN, NB), tab, BN, NB)
