@@ -56,12 +56,12 @@ def zlib_seed(name: str) -> int:
     return zlib.crc32(name.encode())
 
 QUANT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_0_R8", "IQ4_NL", "Q2_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-               "Q6_K_P", "Q5_1_R4", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS"]
+               "Q6_K_P", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS"]
 DENSE_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 def k_for(name: str) -> int:
-    """A small K: 10 blocks of 32 (chunks of 2 blocks), 5 of 64, 3 groups of 128, or 2 super-blocks of 256."""
-    return {32: 320, 64: 320, 128: 384, 256: 512}[G.gemv_type(name).block_elems]
+    """A small K: 10 blocks of 32 (chunks of 2 blocks), 5 of 64, or 2 super-blocks of 256."""
+    return {32: 320, 64: 320, 256: 512}[G.gemv_type(name).block_elems]
 
 
 def random_blocks(name: str, rows: int, k: int, rng: np.random.Generator) -> torch.Tensor:
@@ -275,7 +275,7 @@ def test_split_k_is_lowered_to_a_divisor_of_the_chunks() -> None:
     assert G._split(None, 10, 100) == 1 and G._split(2, 10, G.SPLIT_COUNTERS + 1) == 1
 
 
-@pytest.mark.parametrize("name", ["IQ4_NL", "Q8_0", "Q5_1", "Q4_K", "Q6_K", "IQ4_XS", "Q8_0_R8", "Q6_K_P", "Q5_1_R4"])
+@pytest.mark.parametrize("name", ["IQ4_NL", "Q8_0", "Q5_1", "Q4_K", "Q6_K", "IQ4_XS", "Q8_0_R8", "Q6_K_P"])
 def test_dequantize_rows_matches_the_reference_decoder(name: str) -> None:
     """5 stored rows (three programs of 2, the last partial) decoded to fp32 equal quants.dequantize to fp32
     rounding (the decoders form d*sc first), and to bf16 they round to the same value but where the two fp32
@@ -391,19 +391,6 @@ def test_fuse_rows_repacks_tall_q8_0_groups(monkeypatch) -> None:
     outs = K_OPS.linears_triton(x, fused, [None, None], K_OPS.linear_triton)
     for got, want in zip(outs, linears_ref(x, parts, [None, None], linear_ref), strict=True):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
-
-
-def test_regrouped_q5_1_has_the_same_values() -> None:
-    """Q5_1 rows regrouped as Q5_1_R4 (rows and a 3-D expert stack) dequantize to the same values."""
-    from strata.weights import repack
-
-    rng = np.random.default_rng(15)
-    rows = random_blocks("Q5_1", 6, 384, rng)
-    got = repack.regroup_q5_1(rows, 384)
-    assert got.shape == rows.shape and not torch.equal(got, rows)
-    assert torch.equal(quants.dequantize(got, repack.Q5_1_R4_ID, 384), quants.dequantize(rows, 7, 384))
-    stack = rows.reshape(2, 3, -1)
-    assert torch.equal(repack.regroup_q5_1(stack, 384).reshape(6, -1), got)
 
 
 def test_padded_matrix_stores_q6_k_as_q6_k_p(monkeypatch) -> None:

@@ -48,7 +48,6 @@ def skel_gemv(t: G.GemvType, x, w, k, out, bn, nw, sk=None) -> None:
 
 LAB_TYPES = {"Q4_K_BYTES": G._Q4_K_BYTES,
              "Q4_K_NOPIPE": dataclasses.replace(G.gemv_type("Q4_K"), load=None, unpack=None),
-             "Q5_1_R4_NOPIPE": dataclasses.replace(G.gemv_type("Q5_1_R4"), load=None, unpack=None),
              "Q4_K_NB2": dataclasses.replace(G.gemv_type("Q4_K"), max_chunk_blocks=2),
              "Q5_1_PIPE": dataclasses.replace(G.gemv_type("Q5_1"), load=gb.load_q5_1, unpack=gb.unpack_q5_1),
              "Q8_0_R8_PIPE": dataclasses.replace(G.gemv_type("Q8_0_R8"), load=gb.load_q8_0_r8,
@@ -102,10 +101,7 @@ EXPERTS = [("Q4_K", 640, 2560, "glu", [("default", None, None), ("bn8", 8, None)
            ("Q4_K_NOPIPE", 640, 2560, "glu", [("default", None, None), ("bn8", 8, None)]),
            ("Q4_K_NB2", 640, 2560, "glu", [("default", None, None), ("bn8", 8, None)]),
            ("Q5_1", 2560, 640, "down", [("default", None, None), ("bn8", 8, None), ("sk5", None, 5)]),
-           ("Q5_1_PIPE", 2560, 640, "down", [("default", None, None)]),
-           ("Q5_1_R4", 2560, 640, "down", [("default", None, None), ("bn8", 8, None), ("bn32", 32, None),
-                                           ("sk5", None, 5)]),
-           ("Q5_1_R4_NOPIPE", 2560, 640, "down", [("default", None, None)])]
+           ("Q5_1_PIPE", 2560, 640, "down", [("default", None, None)])]
 """Routed-expert launches at the real shapes (10 of 256 experts): gate/up GLU and the per-slot down projection,
 (label, block_n, split_k) variants."""
 GLU_SUITE = [("Q8_0", [(640, 2560)])]

@@ -134,8 +134,6 @@ _TYPE_LIST: tuple[GemvType, ...] = (
     GemvType("IQ2_S", 22, 256, 82, gb.decode_iq2_s, 5, 1, table="IQ2_S", block_n=8, f16_fields=(0,)),
     GemvType("IQ4_XS", 23, 256, 136, gb.decode_iq4_xs, 4, 1, table="IQ4", f16_fields=(0,)),
     GemvType("Q8_0_R8", 1008, 256, 272, gb.decode_q8_0_r8, 4, 4, block_n=4, f16_fields=tuple(range(0, 16, 2))),
-    GemvType("Q5_1_R4", 1007, 128, 96, gb.decode_q5_1_r4, 7, 1, block_n=8, f16_fields=tuple(range(0, 16, 2)),
-             slots_block_n=16, load=gb.load_q5_1_r4, unpack=gb.unpack_q5_1_r4),
     GemvType("Q6_K_P", 1014, 256, 224, gb.decode_q6_k_p, 6, 1, block_n=16, f16_fields=(208,), load=gb.load_q6_k_p,
              unpack=gb.unpack_q6_k_p),
 )

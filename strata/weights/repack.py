@@ -11,10 +11,6 @@ A Q6_K block is {ql[128]; qh[64]; int8 scales[16]; fp16 d}, 210 bytes, so the bl
 alignment and the GEMV reads them byte by byte. Q6_K_P pads every block to 224 = 14 x 16 bytes (the same fields at
 the same offsets, then 14 zero bytes): every field of every block is 16-byte aligned and loads as int32 words,
 for 6.7% more bytes. Made for 2-D Q6_K matrices placed on a GPU (the output head of most releases).
-
-A Q5_1 block is {fp16 d, m; uint32 qh; qs[16]}, 24 bytes: 8-byte aligned at best. Q5_1_R4 regroups every 4
-consecutive blocks of a row as {(d, m)[4]; qh[4]; qs[4][16]} (96 = 6 x 16 bytes): the same bytes, and each
-group loads as six 16-byte vectors (against about twenty narrower loads).
 """
 
 from __future__ import annotations
@@ -22,12 +18,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from strata.weights.quants_k import q5_1, q6_k, q8_0
+from strata.weights.quants_k import q6_k, q8_0
 
 Q8_0_ID = 8
 Q8_0_R8_ID = 1008
-Q5_1_ID = 7
-Q5_1_R4_ID = 1007
 Q6_K_ID = 14
 Q6_K_P_ID = 1014
 Q6_K_BYTES, Q6_K_P_BYTES = 210, 224
@@ -49,23 +43,6 @@ def regroup_q8_0(rows: Tensor, k: int) -> Tensor:
     b = rows.reshape(*lead, k // 256, 8, 34)
     return torch.cat([b[..., :2].reshape(*lead, k // 256, 16), b[..., 2:].reshape(*lead, k // 256, 256)],
                      -1).reshape(*lead, -1)
-
-
-def q5_1_r4(blocks: Tensor) -> Tensor:
-    """(n, 96) Q5_1_R4 groups -> (n, 128) float32: back to four Q5_1 blocks, then Q5_1's decoder."""
-    n = blocks.shape[0]
-    dm = blocks[:, :16].reshape(n, 4, 4)
-    qh = blocks[:, 16:32].reshape(n, 4, 4)
-    qs = blocks[:, 32:].reshape(n, 4, 16)
-    return q5_1(torch.cat([dm, qh, qs], -1).reshape(n * 4, 24)).reshape(n, 128)
-
-
-def regroup_q5_1(rows: Tensor, k: int) -> Tensor:
-    """(..., k/32*24) Q5_1 rows -> the same bytes as Q5_1_R4 rows (k a multiple of 128); a new tensor."""
-    lead = rows.shape[:-1]
-    b = rows.reshape(*lead, k // 128, 4, 24)
-    return torch.cat([b[..., :4].reshape(*lead, k // 128, 16), b[..., 4:8].reshape(*lead, k // 128, 16),
-                      b[..., 8:].reshape(*lead, k // 128, 64)], -1).reshape(*lead, -1)
 
 
 def q6_k_p(blocks: Tensor) -> Tensor:
