@@ -10,6 +10,7 @@ import torch
 from strata.model.ops import Ops, branches_ref
 from strata.runtime import bench
 from strata.runtime.engine import load_weights
+from strata.runtime.placement import gpu_layout
 from strata.runtime.synthetic import TypeMix, real_config, synthetic_weights
 from strata.weights.inventory import inventory
 
@@ -41,6 +42,13 @@ def test_synthetic_weights_have_the_stated_types_and_run():
     with torch.inference_mode():
         logits = Model(w).forward(torch.arange(2, 12), Model(w).new_state())
     assert torch.isfinite(logits).all()
+    # the bench stores it as GPU placement does: the head as Q6_K_P, the projection groups fused and repacked
+    placed = gpu_layout(w)
+    assert placed["head"].kind == "Q6_K_P" and placed["L0.gdn.qkv"].kind == "Q8_0_R8"
+    assert placed["L0.moe.down_exps"].kind == "Q5_1" and placed["L1.ple.table"] is w["L1.ple.table"]
+    with torch.inference_mode():
+        assert torch.allclose(Model(placed).forward(torch.arange(2, 12), Model(placed).new_state()), logits,
+                              rtol=1e-5, atol=1e-5 * logits.abs().max().item())
 
 
 def test_timed_ops_wraps_every_entry():

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
     from strata.runtime import bench
     from strata.runtime.engine import load_weights
-    from strata.runtime.placement import fast_ops, fuse_groups, place
+    from strata.runtime.placement import fast_ops, gpu_layout, place
     from strata.runtime.synthetic import TypeMix, real_config, synthetic_weights
 
     if not torch.cuda.is_available():
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         cfg = real_config() if args.layers is None else real_config(
             num_hidden_layers=args.layers, layer_types=None)
-        weights = fuse_groups(synthetic_weights(cfg, mix, dev), repack=True)  # as GPU placement stores them
+        weights = gpu_layout(synthetic_weights(cfg, mix, dev))  # as GPU placement stores them
         mix_text = mix.describe()
     from strata.model.model import Model
 

@@ -72,8 +72,17 @@ def place(w: Weights, device: torch.device | str) -> Weights:
             # Per-expert parts (HF layout) become one device stack, so the expert kernel reads it by id.
             moved[name] = DenseTensor(name, torch.stack([p.tensor.to(device) for p in t.parts]))
         else:
-            moved[name] = padded_matrix(t.to(device))
-    return fuse_groups(Weights(w.cfg, moved, w.gdn_value_order, w.source, w.unknown), repack=True)
+            moved[name] = t.to(device)
+    return gpu_layout(Weights(w.cfg, moved, w.gdn_value_order, w.source, w.unknown))
+
+
+def gpu_layout(w: Weights) -> Weights:
+    """The weight set in the layouts GPU placement stores (the tensors where they are): every 2-D Q6_K matrix
+    but the host-resident ones as Q6_K_P (`padded_matrix`), the FUSED_GROUPS back to back and repacked
+    (`fuse_groups`). `place` ends with it, and the benchmark's synthetic model goes through it, so both run the
+    same kernels on the same layouts."""
+    tensors = {name: t if name.endswith(HOST_RESIDENT) else padded_matrix(t) for name, t in w.tensors.items()}
+    return fuse_groups(Weights(w.cfg, tensors, w.gdn_value_order, w.source, w.unknown), repack=True)
 
 
 def padded_matrix(t: StoredTensor) -> StoredTensor:
