@@ -18,7 +18,6 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton: the kernels run on the CPU
 
-import dataclasses
 import importlib
 import zlib
 
@@ -103,20 +102,6 @@ def test_gemv_quantized(name: str) -> None:
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
     y = G.gemv(x, raw, G.gemv_type(name).type_id, k, block_n=8)  # 2 row tiles, the second partial
     check(y, x, dequant_ref(name, raw, k))
-
-
-@pytest.mark.parametrize("k", [256, 768, 1024])
-def test_gemv_q4_k_super_blocks_per_step(k: int) -> None:
-    """Q4_K's word decoder with up to two super-blocks per K step (two where the row's block count is even,
-    else one; production takes one) matches the reference."""
-    rng = np.random.default_rng(k)
-    raw = random_blocks("Q4_K", 5, k, rng)
-    x = torch.randn(2, k, generator=torch.Generator().manual_seed(k))
-    t = dataclasses.replace(G.gemv_type("Q4_K"), max_chunk_blocks=2, small_form=None)  # the word decoder
-    assert G._chunk_blocks(t, k) == (1 if (k // 256) % 2 else 2)
-    out = torch.empty(2, 5)
-    G._launch(t, x, raw, None, out, 5, k, 1, 2, 0, 0, 0, 4, None)
-    check(out, x, dequant_ref("Q4_K", raw, k))
 
 
 @pytest.mark.parametrize("name", QUANT_TYPES)

@@ -48,15 +48,13 @@ def skel_gemv(t: G.GemvType, x, w, k, out, bn, nw, sk=None) -> None:
 
 LAB_TYPES = {"Q4_K_BYTES": G._Q4_K_BYTES,
              "Q4_K_NOPIPE": dataclasses.replace(G.gemv_type("Q4_K"), load=None, unpack=None),
-             "Q4_K_NB2": dataclasses.replace(G.gemv_type("Q4_K"), max_chunk_blocks=2),
              "Q5_1_PIPE": dataclasses.replace(G.gemv_type("Q5_1"), load=gb.load_q5_1, unpack=gb.unpack_q5_1),
              "Q8_0_R8_PIPE": dataclasses.replace(G.gemv_type("Q8_0_R8"), load=gb.load_q8_0_r8,
                                                  unpack=gb.unpack_q8_0_r8),
              "Q6_K_P_NOPIPE": dataclasses.replace(G.gemv_type("Q6_K_P"), load=None, unpack=None)}
 """Decoders not in the production table, by name: Q4_K_BYTES is Q4_K's byte-wise form, which production keeps
 for small one-token launches only; Q4_K_NOPIPE is Q4_K's decoder called whole (no software-pipelined K loop),
-Q4_K_NB2 two super-blocks per K step (production: one; 95526a2: routed GLU 19.4 -> 18.7 us with 8 rows
-per program, 21.4 with 16; 10240 x 2560 14.7 -> 15.8), NAME_PIPE NAME's decoder pipelined (H200, 8d02f4e: Q4_K routed GLU 21.9 -> 19.6 us pipelined; Q5_1 expert down
+NAME_PIPE NAME's decoder pipelined (H200, 8d02f4e: Q4_K routed GLU 21.9 -> 19.6 us pipelined; Q5_1 expert down
 10.3 -> 10.2; Q8_0_R8 16432 x 2560 18.3 -> 19.1, so production pipelines Q4_K only).
 (Rejected candidates and their timings: bench/results/*gemv-lab*.json.)"""
 
@@ -86,8 +84,6 @@ SUITE = [
     ("Q8_0_R8", [(16432, 2560)], [_D, ("sk2", None, None, 2)]),
     ("Q8_0_R8_PIPE", [(16432, 2560)], [_D]),
     ("Q8_0", [(2560, 6144)], [_D]),
-    ("Q4_K", [(10240, 2560)], [_D]),
-    ("Q4_K_NB2", [(10240, 2560)], [_D]),
     ("Q6_K", [(248320, 2560)], [_D]),
     ("Q6_K_P", [(248320, 2560)], [_D, ("bn4", 4, None, None), ("bn16", 16, None, None), ("w8", None, 8, None),
                                   ("bn16 w8", 16, 8, None), ("bn4 w2", 4, 2, None)]),
@@ -99,7 +95,6 @@ without the software pipelining."""
 EXPERTS = [("Q4_K", 640, 2560, "glu", [("default", None, None), ("bn8", 8, None), ("bn32", 32, None),
                                         ("sk2", None, 2)]),
            ("Q4_K_NOPIPE", 640, 2560, "glu", [("default", None, None), ("bn8", 8, None)]),
-           ("Q4_K_NB2", 640, 2560, "glu", [("default", None, None), ("bn8", 8, None)]),
            ("Q5_1", 2560, 640, "down", [("default", None, None), ("bn8", 8, None), ("sk5", None, 5)]),
            ("Q5_1_PIPE", 2560, 640, "down", [("default", None, None)])]
 """Routed-expert launches at the real shapes (10 of 256 experts): gate/up GLU and the per-slot down projection,

@@ -123,7 +123,7 @@ _TYPE_LIST: tuple[GemvType, ...] = (
     GemvType("Q2_0", 42, 64, 18, gb.decode_q2_0, 6, 4, f16_fields=(0,)),
     GemvType("Q2_K", 10, 256, 84, gb.decode_q2_k, 5, 1, f16_fields=(80, 82)),
     GemvType("Q3_K", 11, 256, 110, gb.decode_q3_k, 5, 1, num_warps=8, f16_fields=(108,)),
-    GemvType("Q4_K", 12, 256, 144, gb.decode_q4_k_hw, 7, 1, small=(2, 4), f16_fields=(0, 2),
+    GemvType("Q4_K", 12, 256, 144, gb.decode_q4_k_hw, 6, 1, small=(2, 4), f16_fields=(0, 2),
              small_form=_Q4_K_BYTES, load=gb.load_q4_k_hw, unpack=gb.unpack_q4_k_hw),
     GemvType("Q5_K", 13, 256, 176, gb.decode_q5_k, 6, 1, block_n=8, f16_fields=(0, 2)),
     GemvType("Q6_K", 14, 256, 210, gb.decode_q6_k, 5, 1, block_n=8, f16_fields=(208,)),
@@ -180,8 +180,6 @@ def _x(xc, xo, xs, t: tl.constexpr):
 @triton.jit
 def _rowsum(a, RANK: tl.constexpr):
     """Sum over every dimension but the first (rows)."""
-    if RANK >= 7:
-        a = tl.sum(a, axis=6)
     if RANK >= 6:
         a = tl.sum(a, axis=5)
     if RANK >= 5:
@@ -458,10 +456,8 @@ def _trailing(v, RANK: tl.constexpr):
         return v[:, None, None, None]
     elif RANK == 5:
         return v[:, None, None, None, None]
-    elif RANK == 6:
-        return v[:, None, None, None, None, None]
     else:
-        return v[:, None, None, None, None, None, None]
+        return v[:, None, None, None, None, None]
 
 
 @triton.jit

@@ -314,42 +314,40 @@ def _byte(w, sh):
 
 @triton.jit
 def load_q4_k_hw(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
-    """The loads of `decode_q4_k_hw`: the 128 nibble bytes of each of the NB super-blocks as [BN, NB, 4, 8] int32
-    words, and the header's 4 words as [BN, NB] each."""
-    b = tl.arange(0, NB)
+    """The loads of `decode_q4_k_hw`: the 128 nibble bytes as [BN, 4, 8] int32 words and the header's 4 words."""
     c = tl.arange(0, 4)
     k = tl.arange(0, 8)
-    bw = rp.to(tl.pointer_type(tl.int32))[:, None] + (b * 36)[None, :]  # 144-byte blocks: 36 words
-    v = tl.load((bw + 4)[:, :, None, None] + (c[:, None] * 8 + k[None, :])[None, None, :, :])
-    return v, tl.load(bw), tl.load(bw + 1), tl.load(bw + 2), tl.load(bw + 3)
+    wp = rp.to(tl.pointer_type(tl.int32))
+    v = tl.load((wp + 4)[:, None, None] + (c[:, None] * 8 + k[None, :])[None, :, :])
+    return v, tl.load(wp), tl.load(wp + 1), tl.load(wp + 2), tl.load(wp + 3)
 
 
 @triton.jit
 def unpack_q4_k_hw(raw, tab, BN: tl.constexpr, NB: tl.constexpr):
     """The arithmetic of `decode_q4_k_hw` on the words `load_q4_k_hw` loaded."""
+    tl.static_assert(NB == 1, "decode_q4_k_hw: one super-block per chunk")
     v, w0, w1, w2, w3 = raw
-    w0 = w0[:, :, None]
-    w1 = w1[:, :, None]
-    w2 = w2[:, :, None]
-    w3 = w3[:, :, None]
-    b = tl.arange(0, NB)
+    w0 = w0[:, None]
+    w1 = w1[:, None]
+    w2 = w2[:, None]
+    w3 = w3[:, None]
     c = tl.arange(0, 4)
     k = tl.arange(0, 8)
     d = (w0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     dm = ((w0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    low = (c < 2)[None, None, :]
-    s_lo = (16 * c % 32)[None, None, :]  # byte (2c) & 3 of a scale word
+    low = (c < 2)[None, :]
+    s_lo = (16 * c % 32)[None, :]  # byte (2c) & 3 of a scale word
     s_hi = s_lo + 8  # byte (2c + 1) & 3
     sc_lo, mn_lo = _k4_unpack(_byte(w1, s_lo), _byte(w2, s_lo), _byte(w3, s_lo), low)
     sc_hi, mn_hi = _k4_unpack(_byte(w1, s_hi), _byte(w2, s_hi), _byte(w3, s_hi), low)
-    sl = (d * _i2f(sc_lo, 0.0))[:, :, :, None, None, None]
-    ml = (dm * _i2f(mn_lo, 0.0))[:, :, :, None, None, None]
-    sh = (d * _i2f(sc_hi, 0.0))[:, :, :, None, None, None]
-    mh = (dm * _i2f(mn_hi, 0.0))[:, :, :, None, None, None]
+    sl = (d * _i2f(sc_lo, 0.0))[:, :, None, None, None]
+    ml = (dm * _i2f(mn_lo, 0.0))[:, :, None, None, None]
+    sh = (d * _i2f(sc_hi, 0.0))[:, :, None, None, None]
+    mh = (dm * _i2f(mn_hi, 0.0))[:, :, None, None, None]
     lo = _j4(_i2f(v & 15, 0.0), _i2f((v >> 8) & 15, 0.0), _i2f((v >> 16) & 15, 0.0), _i2f((v >> 24) & 15, 0.0))
     hi = _j4(_i2f((v >> 4) & 15, 0.0), _i2f((v >> 12) & 15, 0.0), _i2f((v >> 20) & 15, 0.0),
              _i2f((v >> 28) & 15, 0.0))
-    base = b[:, None, None] * 256 + c[None, :, None] * 64 + k[None, None, :] * 4
+    base = c[:, None] * 64 + k[None, :] * 4
     xl = _j4(base, base + 1, base + 2, base + 3)
     return tl.join(lo * sl - ml, hi * sh - mh), tl.join(xl, xl + 32)
 
@@ -358,9 +356,9 @@ def unpack_q4_k_hw(raw, tab, BN: tl.constexpr, NB: tl.constexpr):
 def decode_q4_k_hw(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
     """Q4_K as int32 words throughout: the 16-byte header {fp16 d, dmin; scales[12]} as 4 words (instead of ten
     1- and 2-byte loads per row) and the 128 nibble bytes, 16-byte aligned at offset 16 of the 144-byte block, as
-    16-byte vectors (`decode_q4_k` issues one load per byte). NB super-blocks per chunk.
-    [BN, NB, 4 = c, 8 = word, 2, 2 = byte, 2 = nibble]: byte 4k + j of group c holds elements 64c + 4k + j (low
-    nibble, sub-block 2c) and 64c + 32 + 4k + j (high, 2c + 1) of its super-block."""
+    16-byte vectors (`decode_q4_k` issues one load per byte). One super-block per chunk.
+    [BN, 4 = c, 8 = word, 2, 2 = byte, 2 = nibble]: byte 4k + j of group c holds elements 64c + 4k + j (low nibble,
+    sub-block 2c) and 64c + 32 + 4k + j (high, 2c + 1)."""
     return unpack_q4_k_hw(load_q4_k_hw(rp, tab, BN, NB), tab, BN, NB)
 
 

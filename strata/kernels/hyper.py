@@ -211,7 +211,7 @@ def hc_read_defaults(streams: int, hidden: int, rank: int, sms: int) -> dict:
     programs per SM; each holds its [S, BH, R] weights as one tile (R padded to a power of two: registers, not
     bytes) while that stays <= 16K elements, so that all of it is in flight at once. 4 warps each.
     Measured on an H200 by tools/gpu_check_fused.py (the sweep of `hc_read_configs`, one session): 7.6 us per
-    read against 9.7 with 16 rows, K chunks of 512 and four up programs per SM (the previous defaults), 8.1-8.4
+    read against 9.7 with 16 rows, K chunks of 512 and four up programs per SM, 8.1-8.4
     with 8 rows and four up programs per SM, 8.8 with 16 rows and eight.
     At the real geometry (S=4, H=2560, R=320, 132 SMs): 41 x 12 down programs of [8, 1024] (16 KB), 1280 up
     programs of [4, 2, 512 (320 used)] (5 KB)."""
@@ -236,7 +236,7 @@ def hc_read_configs(streams: int, hidden: int, rank: int, sms: int) -> list[dict
     h2 = triton.next_power_of_2(H)
     rp = triton.next_power_of_2(R)
     out = [d]
-    for kw in ({"block_rows": 16, "block_k": min(512, h2), "block_h": 2 * d["block_h"]},  # the defaults until 0de2ee7
+    for kw in ({"block_rows": 16, "block_k": min(512, h2), "block_h": 2 * d["block_h"]},  # four up programs per SM
                {"block_rows": 8, "block_k": min(1024, h2)},  # 12 partial rows at the real geometry
                {"block_rows": 8, "block_k": min(2048, h2), "warps_down": 8},  # 8
                {"block_rows": 4, "block_k": h2, "warps_down": 8},  # one chunk per stream: 4, no statistics pass
