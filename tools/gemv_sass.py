@@ -60,8 +60,8 @@ def compile_kernel(t: G.GemvType, n: int, k: int, bn: int | None = None, nw: int
         ints = dict(N=n, n_chunks=n_chunks, w_row_stride=row_stride, w_slot_stride=0, x_tok_stride=k,
                     x_slot_stride=0, out_tok_stride=n, out_slot_stride=0)
         ptrs = dict(x_ptr=f"*{x_dtype}", w_ptr=w_ty, ids_ptr=w_ty, tab_ptr="*fp32" if t.table else w_ty,
-                    out_ptr="*fp32", part_ptr="*fp32", cnt_ptr="*i32")
-        consts = dict(dec, BN=rows, T=1, T_PAD=1, HAS_IDS=False, SPLIT=1, GDC=False)
+                    out_ptr="*fp32", part_ptr="*fp32", cnt_ptr="*i32", sw_ptr="*fp32")
+        consts = dict(dec, BN=rows, T=1, T_PAD=1, HAS_IDS=False, SPLIT=1, SLOT_SUM=0, GDC=False)
         tile_rows = rows
     elif kernel == "glu":
         fn = G._glu_kernel
