@@ -27,8 +27,10 @@ from tools.gemv_lab import BANK_BYTES, _row, expert_err, random_rows  # noqa: E4
 from tools.gpu_check_gemv import time_graph  # noqa: E402
 
 PLAIN = [(10240, 2560)]
-PLAIN_VARIANTS = [(32, 4), (64, 4), (64, 8), (128, 8)]
-GLU_VARIANTS = [(16, 4), (32, 4), (32, 8), (64, 8)]
+PLAIN_VARIANTS = [(32, 4, 0, 1), (32, 4, 1, 1), (32, 4, 0, 3), (64, 8, 0, 1), (64, 8, 1, 1), (64, 4, 0, 1)]
+GLU_VARIANTS = [(16, 4, 0, 1), (32, 4, 0, 1), (32, 4, 1, 1), (32, 4, 0, 2), (32, 4, 0, 3), (64, 8, 0, 1),
+                (64, 8, 1, 1), (32, 8, 0, 1)]
+"""(block_n, num_warps, pipe, num_stages)"""
 
 
 def _kernel_info(fn) -> dict:
@@ -65,11 +67,11 @@ def main() -> int:
             G.gemv(x, ww, name, k, out=out)
             return out
         rows_out.append(_row(name, n, k, "cuda-core default", prod, w, bank, nbytes, ref_fn, bw))
-        for bn, nw in PLAIN_VARIANTS:
-            def tc(ww, x=x, k=k, out=out, bn=bn, nw=nw):
-                TC.gemv_tc(x, ww, name, k, out=out, block_n=bn, num_warps=nw)
+        for bn, nw, pipe, st in PLAIN_VARIANTS:
+            def tc(ww, x=x, k=k, out=out, bn=bn, nw=nw, pipe=pipe, st=st):
+                TC.gemv_tc(x, ww, name, k, out=out, block_n=bn, num_warps=nw, pipe=bool(pipe), num_stages=st)
                 return out
-            r = _row(name, n, k, f"tc bn{bn} w{nw}", tc, w, bank, nbytes, ref_fn, bw)
+            r = _row(name, n, k, f"tc bn{bn} w{nw} p{pipe} s{st}", tc, w, bank, nbytes, ref_fn, bw)
             r.update(_kernel_info(TC._tc_gemv_kernel))
             rows_out.append(r)
             print(json.dumps(r), file=sys.stderr)
@@ -84,9 +86,10 @@ def main() -> int:
     x = torch.randn(1, k, generator=gen, device="cuda").to(torch.bfloat16)
     out_e = torch.empty(10, n, device="cuda", dtype=torch.bfloat16)
     variants = [("cuda-core default", lambda ids: G.gemv_experts_glu(x, sg, su, ids, name, k, out=out_e), None)]
-    for bn, nw in GLU_VARIANTS:
-        variants.append((f"tc bn{bn} w{nw}", lambda ids, bn=bn, nw=nw: TC.gemv_tc_experts_glu(
-            x, sg, su, ids, name, k, out=out_e, block_n=bn, num_warps=nw), TC._tc_glu_kernel))
+    for bn, nw, pipe, st in GLU_VARIANTS:
+        variants.append((f"tc bn{bn} w{nw} p{pipe} s{st}", lambda ids, bn=bn, nw=nw, pipe=pipe, st=st:
+                         TC.gemv_tc_experts_glu(x, sg, su, ids, name, k, out=out_e, block_n=bn, num_warps=nw,
+                                                pipe=bool(pipe), num_stages=st), TC._tc_glu_kernel))
     for label, fn, kern in variants:
         try:
             fn(id_sets[0])

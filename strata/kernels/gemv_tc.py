@@ -38,13 +38,15 @@ CHUNK = 512
 
 @triton.jit
 def _q4k_chunk(wp, c, R: tl.constexpr):
-    """Loads of chunk c (super-blocks 2c, 2c+1) of the rows at int32 pointers wp [R]: the nibble words [R, 2, 32]
-    and the header words w0..w3 [R, 2] ({fp16 d, dmin}, scale bytes 0-3, 4-7, 8-11)."""
+    """Loads of chunk c (super-blocks 2c, 2c+1) of the rows at int32 pointers wp [R]: each super-block's nibble
+    words [R, 32], and the header words w0..w3 [R, 2] ({fp16 d, dmin}, scale bytes 0-3, 4-7, 8-11)."""
     s = tl.arange(0, 2)
     w = tl.arange(0, 32)
-    bp = wp[:, None] + c * 72 + s[None, :] * 36
-    v = tl.load(bp[:, :, None] + 4 + w[None, None, :])
-    return v, tl.load(bp), tl.load(bp + 1), tl.load(bp + 2), tl.load(bp + 3)
+    cp = wp + c * 72
+    bp = cp[:, None] + s[None, :] * 36
+    v0 = tl.load(cp[:, None] + 4 + w[None, :])
+    v1 = tl.load(cp[:, None] + 40 + w[None, :])
+    return v0, v1, tl.load(bp), tl.load(bp + 1), tl.load(bp + 2), tl.load(bp + 3)
 
 
 @triton.jit
@@ -90,10 +92,10 @@ def _nibbles(v, DT: tl.constexpr):
     if DT == tl.float32:  # the interpreter
         return tl.reshape(tl.join(_join4(_nib(v, 0), _nib(v, 4), _nib(v, 8), _nib(v, 12)),
                                   _join4(_nib(v, 16), _nib(v, 20), _nib(v, 24), _nib(v, 28))),
-                          [v.shape[0], v.shape[1], v.shape[2], 8])
+                          [v.shape[0], v.shape[1], 8])
     else:
         v8 = tl.reshape(_join4(tl.join(v, v), tl.join(v, v), tl.join(v, v), tl.join(v, v)),
-                        [v.shape[0], v.shape[1], v.shape[2], 8])
+                        [v.shape[0], v.shape[1], 8])
         if DT == tl.bfloat16:
             return tl.inline_asm_elementwise(_BF16_NIBBLES, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [v8], dtype=tl.bfloat16,
                                              is_pure=True, pack=8)
@@ -103,11 +105,8 @@ def _nibbles(v, DT: tl.constexpr):
 
 
 @triton.jit
-def _q4k_tile(raw, R: tl.constexpr, DT: tl.constexpr):
-    """The integers of a chunk as a [R, 512] DT tile, k' = 8 (32 s + w) + e for nibble e (`_nibbles`) of word w of
-    super-block s, and the per-(row, sub-block) scales d*sc and dmin*m as [R, 16] fp32, sub-block index 8 s + j."""
-    v, w0, w1, w2, w3 = raw
-    q = tl.reshape(_nibbles(v, DT), [R, 512])
+def _q4k_scales(w0, w1, w2, w3, R: tl.constexpr):
+    """d*sc and dmin*m per (row, sub-block) of a chunk's two super-blocks, as [R, 16] fp32 (sub-block 8 s + j)."""
     j = tl.arange(0, 8)
     sh = ((j & 3) * 8)[None, None, :]
     low = (j < 4)[None, None, :]
@@ -117,53 +116,66 @@ def _q4k_tile(raw, R: tl.constexpr, DT: tl.constexpr):
     sc, mn = G.gb._k4_unpack(b0, b4, b8, low)
     d = (w0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, :, None]
     dm = ((w0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, :, None]
-    scale = tl.reshape(d * G.gb._i2f(sc, 0.0), [R, 16])
-    mins = tl.reshape(dm * G.gb._i2f(mn, 0.0), [R, 16])
-    return q, scale, mins
+    return tl.reshape(d * G.gb._i2f(sc, 0.0), [R, 16]), tl.reshape(dm * G.gb._i2f(mn, 0.0), [R, 16])
 
 
 @triton.jit
-def _q4k_x(xc, DT: tl.constexpr):
-    """x of one chunk (at xc) block-diagonally as [512, 16] DT in the tile's k' order, and each sub-block's sum
-    [16] in fp32."""
-    kk = tl.arange(0, 512)
-    s = kk // 256
-    w = (kk // 8) % 32
+def _q4k_x(xc, S: tl.constexpr, DT: tl.constexpr):
+    """x of super-block S of a chunk (at xc), block-diagonally as [256, 16] DT in the tile's k' = 8 w + e order
+    (nibble e, `_nibbles`, of word w): column 8 S + sub-block; and each of its sub-blocks' sums [8] in fp32."""
+    kk = tl.arange(0, 256)
+    w = kk // 8
     e = kk % 8
     j = 2 * (e % 2) + e // 4  # the byte of the word, and its nibble
     h = (e // 2) % 2
-    pos = s * 256 + (w // 8) * 64 + h * 32 + (w % 8) * 4 + j
-    sub = s * 8 + (w // 8) * 2 + h
+    pos = S * 256 + (w // 8) * 64 + h * 32 + (w % 8) * 4 + j
+    sub = S * 8 + (w // 8) * 2 + h
     xv = tl.load(xc + pos).to(tl.float32)
     n = tl.arange(0, 16)
     xb = tl.where(sub[:, None] == n[None, :], xv[:, None], 0.0)
-    # k' = 8 (32 s + 8 c + b) + 4 (e // 4) + 2 h + e % 2 lies in sub-block 8 s + 2 c + h: sum over b, e // 4, e % 2
-    xs = tl.sum(tl.sum(tl.sum(tl.reshape(xv, [2, 4, 8, 2, 2, 2]), axis=5), axis=3), axis=2)
-    return xb.to(DT), tl.reshape(xs, [16])
+    # k' = 8 (8 c + b) + 4 (e // 4) + 2 h + e % 2 lies in sub-block 2 c + h: sum over b, e // 4, e % 2
+    xs = tl.sum(tl.sum(tl.sum(tl.reshape(xv, [4, 8, 2, 2, 2]), axis=4), axis=2), axis=1)
+    return xb.to(DT), tl.reshape(xs, [8])
 
 
 @triton.jit
-def _tc_rows(xp, wp, n_chunks, R: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr):
-    """[R] fp32: (the Q4_K row at int32 pointer wp[r]) . x, x at xp."""
+def _dot(a, b, acc, DT: tl.constexpr):
+    """acc + a b on the tensor cores; exact fp32 products under the interpreter (its dot mishandles 16-bit tiles)."""
+    if DT == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _tc_rows(xp, wp, n_chunks, R: tl.constexpr, DT: tl.constexpr, PIPE: tl.constexpr, GDC: tl.constexpr):
+    """[R] fp32: (the Q4_K row at int32 pointer wp[r]) . x, x at xp. PIPE: chunk c + 1's loads are issued before
+    chunk c is decoded."""
     raw = _q4k_chunk(wp, 0, R)
     pdl.wait(GDC)
     acc = tl.zeros([R, 16], dtype=tl.float32)
     for c in range(n_chunks):
-        if c > 0:
+        if PIPE:
+            ahead = _q4k_chunk(wp, tl.minimum(c + 1, n_chunks - 1), R)
+        elif c > 0:
             raw = _q4k_chunk(wp, c, R)
-        q, scale, mins = _q4k_tile(raw, R, DT)
-        xb, xs = _q4k_x(xp + c * 512, DT)
-        if DT == tl.float32:  # the interpreter (its dot mishandles 16-bit tiles): the same exact products
-            prod = tl.dot(q, xb, input_precision="ieee")
-        else:
-            prod = tl.dot(q, xb)
-        acc += prod * scale - mins * xs[None, :]
+        v0, v1, w0, w1, w2, w3 = raw
+        xc = xp + c * 512
+        x0, s0 = _q4k_x(xc, 0, DT)
+        x1, s1 = _q4k_x(xc, 1, DT)
+        prod = _dot(tl.reshape(_nibbles(v0, DT), [R, 256]), x0, tl.zeros([R, 16], dtype=tl.float32), DT)
+        prod = _dot(tl.reshape(_nibbles(v1, DT), [R, 256]), x1, prod, DT)
+        scale, mins = _q4k_scales(w0, w1, w2, w3, R)
+        acc += prod * scale - mins * tl.reshape(tl.join(s0, s1).trans(), [16])[None, :]
+        if PIPE:
+            raw = ahead
     return tl.sum(acc, axis=1)
 
 
 @triton.jit
 def _tc_glu_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, N, n_chunks, row_words, g_slot_words, u_slot_words,
-                   out_slot_stride, BN: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False):
+                   out_slot_stride, BN: tl.constexpr, DT: tl.constexpr, PIPE: tl.constexpr,
+                   GDC: tl.constexpr = False):
     """out[slot, rows] = silu(G[rows] . x) * (U[rows] . x), G and U expert ids[slot]'s gate and up: one tile of 2*BN
     rows (BN of G, the same BN of U), rounded as `gemv._glu_kernel` rounds."""
     pdl.started(GDC)
@@ -177,7 +189,7 @@ def _tc_glu_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, N, n_chunks, row_words
     uw = u_ptr.to(tl.pointer_type(tl.int32))
     wp = tl.where(r < BN, gw + mat * g_slot_words + rows_c * row_words, uw + mat * u_slot_words + rows_c * row_words)
     wp = tl.multiple_of(wp, 16)
-    res = _tc_rows(x_ptr, wp, n_chunks, 2 * BN, DT, False)
+    res = _tc_rows(x_ptr, wp, n_chunks, 2 * BN, DT, PIPE, False)
     g, u = tl.split(tl.permute(tl.reshape(res, [2, BN]), (1, 0)))
     dt: tl.constexpr = out_ptr.dtype.element_ty
     y = G._rounded(G._act(G._rounded(g, dt), "silu"), dt) * G._rounded(u, dt)
@@ -187,14 +199,14 @@ def _tc_glu_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, N, n_chunks, row_words
 
 @triton.jit
 def _tc_gemv_kernel(x_ptr, w_ptr, out_ptr, N, n_chunks, row_words, BN: tl.constexpr, DT: tl.constexpr,
-                    GDC: tl.constexpr = False):
+                    PIPE: tl.constexpr, GDC: tl.constexpr = False):
     """out[rows] = W[rows] . x for one token."""
     pdl.started(GDC)
     pid = tl.program_id(0)
     rows = pid * BN + tl.arange(0, BN)
     wp = w_ptr.to(tl.pointer_type(tl.int32)) + tl.minimum(rows, N - 1).to(tl.int64) * row_words
     wp = tl.multiple_of(wp, 16)
-    res = _tc_rows(x_ptr, wp, n_chunks, BN, DT, GDC)
+    res = _tc_rows(x_ptr, wp, n_chunks, BN, DT, PIPE, GDC)
     dt: tl.constexpr = out_ptr.dtype.element_ty
     tl.store(out_ptr + rows, G._rounded(res, dt).to(dt), mask=rows < N)
 
@@ -225,21 +237,22 @@ def _check(type_id: int | str, x: torch.Tensor, k: int, w: torch.Tensor) -> None
 
 
 def gemv_tc(x: torch.Tensor, w_data: torch.Tensor, type_id: int | str, K: int, out: torch.Tensor | None = None,
-            out_dtype: torch.dtype = torch.float32, *, block_n: int = 32, num_warps: int = 4) -> torch.Tensor:
+            out_dtype: torch.dtype = torch.float32, *, block_n: int = 32, num_warps: int = 4, pipe: bool = True,
+            num_stages: int = 1) -> torch.Tensor:
     """out (1, N) = x (1, K) W^T, W the (N, row_bytes) rows, on the tensor cores."""
     _check(type_id, x, K, w_data)
     n = w_data.shape[0]
     out = torch.empty(1, n, device=x.device, dtype=out_dtype) if out is None else out
     _tc_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, w_data, out, n, K // CHUNK, w_data.stride(0) // 4, BN=block_n, DT=_mma_dtype(x),
-        num_warps=num_warps, **pdl.launch(x.device))
+        x, w_data, out, n, K // CHUNK, w_data.stride(0) // 4, BN=block_n, DT=_mma_dtype(x), PIPE=pipe,
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch(x.device))
     return out
 
 
 def gemv_tc_experts_glu(x: torch.Tensor, gate_data: torch.Tensor, up_data: torch.Tensor, expert_ids: torch.Tensor,
                         type_id: int | str, K: int, out: torch.Tensor | None = None,
                         out_dtype: torch.dtype = torch.float32, *, block_n: int = 16,
-                        num_warps: int = 4) -> torch.Tensor:
+                        num_warps: int = 4, pipe: bool = True, num_stages: int = 1) -> torch.Tensor:
     """out[i] = silu(G[e] x) * (U[e] x), e = expert_ids[i]: `gemv.gemv_experts_glu` for one token on the tensor
     cores."""
     _check(type_id, x, K, gate_data)
@@ -252,6 +265,6 @@ def gemv_tc_experts_glu(x: torch.Tensor, gate_data: torch.Tensor, up_data: torch
     out = torch.empty(k_sel, n, device=x.device, dtype=out_dtype) if out is None else out
     _tc_glu_kernel[(triton.cdiv(n, block_n), k_sel)](
         x, gate_data, up_data, expert_ids, out, n, K // CHUNK, gate_data.stride(1) // 4, gate_data.stride(0) // 4,
-        up_data.stride(0) // 4, out.stride(0), BN=block_n, DT=_mma_dtype(x),
-        num_warps=num_warps, **pdl.launch(x.device))
+        up_data.stride(0) // 4, out.stride(0), BN=block_n, DT=_mma_dtype(x), PIPE=pipe,
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch(x.device))
     return out
