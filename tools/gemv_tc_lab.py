@@ -27,10 +27,11 @@ from tools.gemv_lab import BANK_BYTES, _row, expert_err, random_rows  # noqa: E4
 from tools.gpu_check_gemv import time_graph  # noqa: E402
 
 PLAIN = [(10240, 2560)]
-PLAIN_VARIANTS = [(32, 4, 0, 1), (32, 4, 1, 1), (32, 4, 0, 3), (64, 8, 0, 1), (64, 8, 1, 1), (64, 4, 0, 1)]
-GLU_VARIANTS = [(16, 4, 0, 1), (32, 4, 0, 1), (32, 4, 1, 1), (32, 4, 0, 2), (32, 4, 0, 3), (64, 8, 0, 1),
-                (64, 8, 1, 1), (32, 8, 0, 1)]
-"""(block_n, num_warps, pipe, num_stages)"""
+PLAIN_VARIANTS = [(32, 4, 0, 1, 0), (32, 4, 1, 1, 0), (64, 8, 0, 1, 0), (32, 4, 0, 1, 1), (32, 4, 0, 3, 1),
+                  (64, 8, 0, 3, 1), (128, 8, 0, 3, 1)]
+GLU_VARIANTS = [(16, 4, 0, 1, 0), (32, 4, 0, 1, 0), (32, 4, 1, 1, 0), (32, 4, 0, 3, 0), (64, 8, 0, 1, 0),
+                (16, 4, 0, 3, 1), (32, 4, 0, 1, 1), (32, 4, 0, 3, 1), (64, 8, 0, 3, 1), (32, 8, 0, 3, 1)]
+"""(block_n, num_warps, pipe, num_stages, x prebuilt)"""
 
 
 def _kernel_info(fn) -> dict:
@@ -67,11 +68,12 @@ def main() -> int:
             G.gemv(x, ww, name, k, out=out)
             return out
         rows_out.append(_row(name, n, k, "cuda-core default", prod, w, bank, nbytes, ref_fn, bw))
-        for bn, nw, pipe, st in PLAIN_VARIANTS:
-            def tc(ww, x=x, k=k, out=out, bn=bn, nw=nw, pipe=pipe, st=st):
-                TC.gemv_tc(x, ww, name, k, out=out, block_n=bn, num_warps=nw, pipe=bool(pipe), num_stages=st)
+        for bn, nw, pipe, st, xg in PLAIN_VARIANTS:
+            def tc(ww, x=x, k=k, out=out, bn=bn, nw=nw, pipe=pipe, st=st, xg=xg):
+                TC.gemv_tc(x, ww, name, k, out=out, block_n=bn, num_warps=nw, pipe=bool(pipe), num_stages=st,
+                           x_prebuilt=bool(xg))
                 return out
-            r = _row(name, n, k, f"tc bn{bn} w{nw} p{pipe} s{st}", tc, w, bank, nbytes, ref_fn, bw)
+            r = _row(name, n, k, f"tc bn{bn} w{nw} p{pipe} s{st} xg{xg}", tc, w, bank, nbytes, ref_fn, bw)
             r.update(_kernel_info(TC._tc_gemv_kernel))
             rows_out.append(r)
             print(json.dumps(r), file=sys.stderr)
@@ -86,10 +88,11 @@ def main() -> int:
     x = torch.randn(1, k, generator=gen, device="cuda").to(torch.bfloat16)
     out_e = torch.empty(10, n, device="cuda", dtype=torch.bfloat16)
     variants = [("cuda-core default", lambda ids: G.gemv_experts_glu(x, sg, su, ids, name, k, out=out_e), None)]
-    for bn, nw, pipe, st in GLU_VARIANTS:
-        variants.append((f"tc bn{bn} w{nw} p{pipe} s{st}", lambda ids, bn=bn, nw=nw, pipe=pipe, st=st:
+    for bn, nw, pipe, st, xg in GLU_VARIANTS:
+        variants.append((f"tc bn{bn} w{nw} p{pipe} s{st} xg{xg}", lambda ids, bn=bn, nw=nw, pipe=pipe, st=st, xg=xg:
                          TC.gemv_tc_experts_glu(x, sg, su, ids, name, k, out=out_e, block_n=bn, num_warps=nw,
-                                                pipe=bool(pipe), num_stages=st), TC._tc_glu_kernel))
+                                                pipe=bool(pipe), num_stages=st, x_prebuilt=bool(xg)),
+                         TC._tc_glu_kernel))
     for label, fn, kern in variants:
         try:
             fn(id_sets[0])
@@ -105,12 +108,12 @@ def main() -> int:
         rows_out.append(r)
         print(json.dumps(r), file=sys.stderr)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
-    print(f"{'type':<6}{'shape':>12} {'variant':<28}{'us':>8}{'GB/s':>8}{'frac':>6}{'err':>9}{'regs':>6}{'spill':>6}")
+    print(f"{'type':<6}{'shape':>12} {'variant':<34}{'us':>8}{'GB/s':>8}{'frac':>6}{'err':>9}{'regs':>6}{'spill':>6}")
     for r in rows_out:
         if "error" in r:
-            print(f"{r['type']:<6}{r['n']:>6}x{r['k']:<5} {r['variant']:<28} ERROR {r['error'][:80]}")
+            print(f"{r['type']:<6}{r['n']:>6}x{r['k']:<5} {r['variant']:<34} ERROR {r['error'][:80]}")
         else:
-            print(f"{r['type']:<6}{r['n']:>6}x{r['k']:<5} {r['variant']:<28}{r['us']:>8.1f}{r['GBps']:>8.0f}"
+            print(f"{r['type']:<6}{r['n']:>6}x{r['k']:<5} {r['variant']:<34}{r['us']:>8.1f}{r['GBps']:>8.0f}"
                   f"{r['frac']:>6.2f}{r['err']:>9.1e}{r.get('regs', ''):>6}{r.get('spills', ''):>6}")
     if args.out:
         Path(args.out).write_text(json.dumps({"copy_bw": bw, "gpu": torch.cuda.get_device_name(),

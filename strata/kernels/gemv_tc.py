@@ -148,9 +148,11 @@ def _dot(a, b, acc, DT: tl.constexpr):
 
 
 @triton.jit
-def _tc_rows(xp, wp, n_chunks, R: tl.constexpr, DT: tl.constexpr, PIPE: tl.constexpr, GDC: tl.constexpr):
+def _tc_rows(xp, xg, xsp, wp, n_chunks, R: tl.constexpr, DT: tl.constexpr, PIPE: tl.constexpr, XG: tl.constexpr,
+             GDC: tl.constexpr):
     """[R] fp32: (the Q4_K row at int32 pointer wp[r]) . x, x at xp. PIPE: chunk c + 1's loads are issued before
-    chunk c is decoded."""
+    chunk c is decoded. XG: the block-diagonal x tiles and sub-block sums are read from xg and xsp (`_tc_x_kernel`)
+    instead of built by every program."""
     raw = _q4k_chunk(wp, 0, R)
     pdl.wait(GDC)
     acc = tl.zeros([R, 16], dtype=tl.float32)
@@ -160,22 +162,31 @@ def _tc_rows(xp, wp, n_chunks, R: tl.constexpr, DT: tl.constexpr, PIPE: tl.const
         elif c > 0:
             raw = _q4k_chunk(wp, c, R)
         v0, v1, w0, w1, w2, w3 = raw
-        xc = xp + c * 512
-        x0, s0 = _q4k_x(xc, 0, DT)
-        x1, s1 = _q4k_x(xc, 1, DT)
+        if XG:
+            kk = tl.arange(0, 256)
+            n = tl.arange(0, 16)
+            tp = xg + c * 8192 + kk[:, None] * 16 + n[None, :]
+            x0 = tl.load(tp)
+            x1 = tl.load(tp + 4096)
+            xs = tl.load(xsp + c * 16 + n)
+        else:
+            xc = xp + c * 512
+            x0, s0 = _q4k_x(xc, 0, DT)
+            x1, s1 = _q4k_x(xc, 1, DT)
+            xs = tl.reshape(tl.join(s0, s1).trans(), [16])
         prod = _dot(tl.reshape(_nibbles(v0, DT), [R, 256]), x0, tl.zeros([R, 16], dtype=tl.float32), DT)
         prod = _dot(tl.reshape(_nibbles(v1, DT), [R, 256]), x1, prod, DT)
         scale, mins = _q4k_scales(w0, w1, w2, w3, R)
-        acc += prod * scale - mins * tl.reshape(tl.join(s0, s1).trans(), [16])[None, :]
+        acc += prod * scale - mins * xs[None, :]
         if PIPE:
             raw = ahead
     return tl.sum(acc, axis=1)
 
 
 @triton.jit
-def _tc_glu_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, N, n_chunks, row_words, g_slot_words, u_slot_words,
+def _tc_glu_kernel(x_ptr, xg_ptr, xs_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, N, n_chunks, row_words, g_slot_words, u_slot_words,
                    out_slot_stride, BN: tl.constexpr, DT: tl.constexpr, PIPE: tl.constexpr,
-                   GDC: tl.constexpr = False):
+                   XG: tl.constexpr, GDC: tl.constexpr = False):
     """out[slot, rows] = silu(G[rows] . x) * (U[rows] . x), G and U expert ids[slot]'s gate and up: one tile of 2*BN
     rows (BN of G, the same BN of U), rounded as `gemv._glu_kernel` rounds."""
     pdl.started(GDC)
@@ -189,7 +200,7 @@ def _tc_glu_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, N, n_chunks, row_words
     uw = u_ptr.to(tl.pointer_type(tl.int32))
     wp = tl.where(r < BN, gw + mat * g_slot_words + rows_c * row_words, uw + mat * u_slot_words + rows_c * row_words)
     wp = tl.multiple_of(wp, 16)
-    res = _tc_rows(x_ptr, wp, n_chunks, 2 * BN, DT, PIPE, False)
+    res = _tc_rows(x_ptr, xg_ptr, xs_ptr, wp, n_chunks, 2 * BN, DT, PIPE, XG, False)
     g, u = tl.split(tl.permute(tl.reshape(res, [2, BN]), (1, 0)))
     dt: tl.constexpr = out_ptr.dtype.element_ty
     y = G._rounded(G._act(G._rounded(g, dt), "silu"), dt) * G._rounded(u, dt)
@@ -198,17 +209,45 @@ def _tc_glu_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, N, n_chunks, row_words
 
 
 @triton.jit
-def _tc_gemv_kernel(x_ptr, w_ptr, out_ptr, N, n_chunks, row_words, BN: tl.constexpr, DT: tl.constexpr,
-                    PIPE: tl.constexpr, GDC: tl.constexpr = False):
+def _tc_gemv_kernel(x_ptr, xg_ptr, xs_ptr, w_ptr, out_ptr, N, n_chunks, row_words, BN: tl.constexpr, DT: tl.constexpr,
+                    PIPE: tl.constexpr, XG: tl.constexpr, GDC: tl.constexpr = False):
     """out[rows] = W[rows] . x for one token."""
     pdl.started(GDC)
     pid = tl.program_id(0)
     rows = pid * BN + tl.arange(0, BN)
     wp = w_ptr.to(tl.pointer_type(tl.int32)) + tl.minimum(rows, N - 1).to(tl.int64) * row_words
     wp = tl.multiple_of(wp, 16)
-    res = _tc_rows(x_ptr, wp, n_chunks, BN, DT, PIPE, GDC)
+    res = _tc_rows(x_ptr, xg_ptr, xs_ptr, wp, n_chunks, BN, DT, PIPE, XG, GDC)
     dt: tl.constexpr = out_ptr.dtype.element_ty
     tl.store(out_ptr + rows, G._rounded(res, dt).to(dt), mask=rows < N)
+
+
+@triton.jit
+def _tc_x_kernel(x_ptr, xg_ptr, xs_ptr, DT: tl.constexpr, GDC: tl.constexpr = False):
+    """Chunk program_id(0)'s block-diagonal x tiles [2, 256, 16] and sub-block sums [16], as `_q4k_x` builds them."""
+    pdl.started(GDC)
+    pdl.wait(GDC)
+    c = tl.program_id(0)
+    kk = tl.arange(0, 256)
+    n = tl.arange(0, 16)
+    x0, s0 = _q4k_x(x_ptr + c * 512, 0, DT)
+    x1, s1 = _q4k_x(x_ptr + c * 512, 1, DT)
+    tp = xg_ptr + c * 8192 + kk[:, None] * 16 + n[None, :]
+    tl.store(tp, x0)
+    tl.store(tp + 4096, x1)
+    tl.store(xs_ptr + c * 16 + n, tl.reshape(tl.join(s0, s1).trans(), [16]))
+
+
+def _x_tiles(x: torch.Tensor, k: int, prebuilt: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block-diagonal x tiles and sub-block sums (`_tc_x_kernel`), or placeholders when each program builds
+    its own."""
+    if not prebuilt:
+        return x, x
+    dt = x.dtype if x.is_cuda else torch.float32
+    xg = torch.empty(k // CHUNK, 2, 256, 16, device=x.device, dtype=dt)
+    xs = torch.empty(k // CHUNK, 16, device=x.device, dtype=torch.float32)
+    _tc_x_kernel[(k // CHUNK,)](x, xg, xs, DT=_mma_dtype(x), num_warps=4, **pdl.launch(x.device))
+    return xg, xs
 
 
 _DT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -238,13 +277,14 @@ def _check(type_id: int | str, x: torch.Tensor, k: int, w: torch.Tensor) -> None
 
 def gemv_tc(x: torch.Tensor, w_data: torch.Tensor, type_id: int | str, K: int, out: torch.Tensor | None = None,
             out_dtype: torch.dtype = torch.float32, *, block_n: int = 32, num_warps: int = 4, pipe: bool = True,
-            num_stages: int = 1) -> torch.Tensor:
+            num_stages: int = 1, x_prebuilt: bool = False) -> torch.Tensor:
     """out (1, N) = x (1, K) W^T, W the (N, row_bytes) rows, on the tensor cores."""
     _check(type_id, x, K, w_data)
     n = w_data.shape[0]
     out = torch.empty(1, n, device=x.device, dtype=out_dtype) if out is None else out
+    xg, xs = _x_tiles(x, K, x_prebuilt)
     _tc_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, w_data, out, n, K // CHUNK, w_data.stride(0) // 4, BN=block_n, DT=_mma_dtype(x), PIPE=pipe,
+        x, xg, xs, w_data, out, n, K // CHUNK, w_data.stride(0) // 4, BN=block_n, DT=_mma_dtype(x), PIPE=pipe, XG=x_prebuilt,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch(x.device))
     return out
 
@@ -252,7 +292,7 @@ def gemv_tc(x: torch.Tensor, w_data: torch.Tensor, type_id: int | str, K: int, o
 def gemv_tc_experts_glu(x: torch.Tensor, gate_data: torch.Tensor, up_data: torch.Tensor, expert_ids: torch.Tensor,
                         type_id: int | str, K: int, out: torch.Tensor | None = None,
                         out_dtype: torch.dtype = torch.float32, *, block_n: int = 16,
-                        num_warps: int = 4, pipe: bool = True, num_stages: int = 1) -> torch.Tensor:
+                        num_warps: int = 4, pipe: bool = True, num_stages: int = 1, x_prebuilt: bool = False) -> torch.Tensor:
     """out[i] = silu(G[e] x) * (U[e] x), e = expert_ids[i]: `gemv.gemv_experts_glu` for one token on the tensor
     cores."""
     _check(type_id, x, K, gate_data)
@@ -263,8 +303,9 @@ def gemv_tc_experts_glu(x: torch.Tensor, gate_data: torch.Tensor, up_data: torch
     k_sel = expert_ids.shape[0]
     n = gate_data.shape[1]
     out = torch.empty(k_sel, n, device=x.device, dtype=out_dtype) if out is None else out
+    xg, xs = _x_tiles(x, K, x_prebuilt)
     _tc_glu_kernel[(triton.cdiv(n, block_n), k_sel)](
-        x, gate_data, up_data, expert_ids, out, n, K // CHUNK, gate_data.stride(1) // 4, gate_data.stride(0) // 4,
-        up_data.stride(0) // 4, out.stride(0), BN=block_n, DT=_mma_dtype(x), PIPE=pipe,
+        x, xg, xs, gate_data, up_data, expert_ids, out, n, K // CHUNK, gate_data.stride(1) // 4, gate_data.stride(0) // 4,
+        up_data.stride(0) // 4, out.stride(0), BN=block_n, DT=_mma_dtype(x), PIPE=pipe, XG=x_prebuilt,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch(x.device))
     return out
