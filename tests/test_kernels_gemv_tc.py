@@ -84,6 +84,13 @@ def test_gemv_tc_experts_glu_matches_cuda_core(pipe: bool) -> None:
         assert (y[s].double() - ref[0]).abs().max().item() <= 1e-5 * ref.abs().max().item()
     y_cc = G.gemv_experts_glu(x, g, u, ids, "Q4_K", k)
     assert (y - y_cc).abs().max().item() <= 1e-5 * y_cc.abs().max().item()
+    k2 = 1024  # two chunks, split in two
+    g2 = torch.stack([q4k_rows(n, k2, rng) for _ in range(e)])
+    u2 = torch.stack([q4k_rows(n, k2, rng) for _ in range(e)])
+    x2 = torch.randn(1, k2, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    y2 = TC.gemv_tc_experts_glu(x2, g2, u2, ids, "Q4_K", k2, block_n=8, pipe=pipe, split_k=2, x_prebuilt=pipe)
+    y2_cc = G.gemv_experts_glu(x2, g2, u2, ids, "Q4_K", k2)
+    assert (y2 - y2_cc).abs().max().item() <= 1e-5 * y2_cc.abs().max().item()
     yb = TC.gemv_tc_experts_glu(x, g, u, ids, "Q4_K", k, block_n=8, out_dtype=torch.bfloat16, x_prebuilt=True)
     yb_cc = G.gemv_experts_glu(x, g, u, ids, "Q4_K", k, out_dtype=torch.bfloat16)
     assert yb.dtype == torch.bfloat16

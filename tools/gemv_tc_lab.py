@@ -29,9 +29,10 @@ from tools.gpu_check_gemv import time_graph  # noqa: E402
 PLAIN = [(10240, 2560)]
 PLAIN_VARIANTS = [(32, 4, 0, 1, 0), (32, 4, 1, 1, 0), (64, 8, 0, 1, 0), (32, 4, 0, 1, 1), (32, 4, 0, 3, 1),
                   (64, 8, 0, 3, 1), (128, 8, 0, 3, 1)]
-GLU_VARIANTS = [(16, 4, 0, 1, 0), (32, 4, 0, 1, 0), (32, 4, 1, 1, 0), (32, 4, 0, 3, 0), (64, 8, 0, 1, 0),
-                (16, 4, 0, 3, 1), (32, 4, 0, 1, 1), (32, 4, 0, 3, 1), (64, 8, 0, 3, 1), (32, 8, 0, 3, 1)]
-"""(block_n, num_warps, pipe, num_stages, x prebuilt)"""
+GLU_VARIANTS = [(16, 4, 0, 1, 0, 1), (32, 4, 0, 1, 0, 1), (32, 4, 1, 1, 0, 1), (32, 4, 0, 3, 0, 1),
+                (64, 8, 0, 1, 0, 1), (32, 4, 0, 1, 1, 1), (32, 4, 0, 3, 1, 1), (64, 8, 0, 3, 1, 1),
+                (32, 4, 0, 1, 0, 5), (32, 4, 0, 1, 1, 5), (16, 4, 0, 1, 1, 5), (64, 8, 0, 1, 1, 5)]
+"""(block_n, num_warps, pipe, num_stages, x prebuilt, split_k)"""
 
 
 def _kernel_info(fn) -> dict:
@@ -88,10 +89,11 @@ def main() -> int:
     x = torch.randn(1, k, generator=gen, device="cuda").to(torch.bfloat16)
     out_e = torch.empty(10, n, device="cuda", dtype=torch.bfloat16)
     variants = [("cuda-core default", lambda ids: G.gemv_experts_glu(x, sg, su, ids, name, k, out=out_e), None)]
-    for bn, nw, pipe, st, xg in GLU_VARIANTS:
-        variants.append((f"tc bn{bn} w{nw} p{pipe} s{st} xg{xg}", lambda ids, bn=bn, nw=nw, pipe=pipe, st=st, xg=xg:
+    for bn, nw, pipe, st, xg, sk in GLU_VARIANTS:
+        variants.append((f"tc bn{bn} w{nw} p{pipe} s{st} xg{xg} sk{sk}",
+                         lambda ids, bn=bn, nw=nw, pipe=pipe, st=st, xg=xg, sk=sk:
                          TC.gemv_tc_experts_glu(x, sg, su, ids, name, k, out=out_e, block_n=bn, num_warps=nw,
-                                                pipe=bool(pipe), num_stages=st, x_prebuilt=bool(xg)),
+                                                pipe=bool(pipe), num_stages=st, x_prebuilt=bool(xg), split_k=sk),
                          TC._tc_glu_kernel))
     for label, fn, kern in variants:
         try:
@@ -108,12 +110,12 @@ def main() -> int:
         rows_out.append(r)
         print(json.dumps(r), file=sys.stderr)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
-    print(f"{'type':<6}{'shape':>12} {'variant':<34}{'us':>8}{'GB/s':>8}{'frac':>6}{'err':>9}{'regs':>6}{'spill':>6}")
+    print(f"{'type':<6}{'shape':>12} {'variant':<38}{'us':>8}{'GB/s':>8}{'frac':>6}{'err':>9}{'regs':>6}{'spill':>6}")
     for r in rows_out:
         if "error" in r:
-            print(f"{r['type']:<6}{r['n']:>6}x{r['k']:<5} {r['variant']:<34} ERROR {r['error'][:80]}")
+            print(f"{r['type']:<6}{r['n']:>6}x{r['k']:<5} {r['variant']:<38} ERROR {r['error'][:80]}")
         else:
-            print(f"{r['type']:<6}{r['n']:>6}x{r['k']:<5} {r['variant']:<34}{r['us']:>8.1f}{r['GBps']:>8.0f}"
+            print(f"{r['type']:<6}{r['n']:>6}x{r['k']:<5} {r['variant']:<38}{r['us']:>8.1f}{r['GBps']:>8.0f}"
                   f"{r['frac']:>6.2f}{r['err']:>9.1e}{r.get('regs', ''):>6}{r.get('spills', ''):>6}")
     if args.out:
         Path(args.out).write_text(json.dumps({"copy_bw": bw, "gpu": torch.cuda.get_device_name(),

@@ -184,11 +184,12 @@ def _tc_rows(xp, xg, xsp, wp, n_chunks, R: tl.constexpr, DT: tl.constexpr, PIPE:
 
 
 @triton.jit
-def _tc_glu_kernel(x_ptr, xg_ptr, xs_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, N, n_chunks, row_words, g_slot_words, u_slot_words,
+def _tc_glu_kernel(x_ptr, xg_ptr, xs_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, N, n_chunks, row_words, g_slot_words, u_slot_words,
                    out_slot_stride, BN: tl.constexpr, DT: tl.constexpr, PIPE: tl.constexpr,
-                   XG: tl.constexpr, GDC: tl.constexpr = False):
+                   XG: tl.constexpr, SPLIT: tl.constexpr, GDC: tl.constexpr = False):
     """out[slot, rows] = silu(G[rows] . x) * (U[rows] . x), G and U expert ids[slot]'s gate and up: one tile of 2*BN
-    rows (BN of G, the same BN of U), rounded as `gemv._glu_kernel` rounds."""
+    rows (BN of G, the same BN of U), rounded as `gemv._glu_kernel` rounds. SPLIT: program_id(2) takes 1/SPLIT of
+    the chunks, and the last of a tile's programs sums the partials (`gemv._split_sum`, in program order)."""
     pdl.started(GDC)
     pdl.wait(GDC)
     pid = tl.program_id(0)
@@ -199,13 +200,20 @@ def _tc_glu_kernel(x_ptr, xg_ptr, xs_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, N, n_c
     gw = g_ptr.to(tl.pointer_type(tl.int32))
     uw = u_ptr.to(tl.pointer_type(tl.int32))
     wp = tl.where(r < BN, gw + mat * g_slot_words + rows_c * row_words, uw + mat * u_slot_words + rows_c * row_words)
-    wp = tl.multiple_of(wp, 16)
-    res = _tc_rows(x_ptr, xg_ptr, xs_ptr, wp, n_chunks, 2 * BN, DT, PIPE, XG, False)
+    sk = tl.program_id(2)
+    wp = tl.multiple_of(wp + sk * (n_chunks * 72), 16)
+    res = _tc_rows(x_ptr + sk * (n_chunks * 512), xg_ptr + sk * (n_chunks * 8192), xs_ptr + sk * (n_chunks * 16), wp,
+                   n_chunks, 2 * BN, DT, PIPE, XG, False)
+    last = 1
+    if SPLIT > 1:
+        tile = slot * tl.num_programs(0) + pid
+        tot, last = G._split_sum(res[:, None], part_ptr + tile * (SPLIT * 2 * BN), cnt_ptr + tile, sk, SPLIT, 2 * BN, 1)
+        res = tl.reshape(tot, [2 * BN])
     g, u = tl.split(tl.permute(tl.reshape(res, [2, BN]), (1, 0)))
     dt: tl.constexpr = out_ptr.dtype.element_ty
     y = G._rounded(G._act(G._rounded(g, dt), "silu"), dt) * G._rounded(u, dt)
     rows = pid * BN + tl.arange(0, BN)
-    tl.store(out_ptr + slot * out_slot_stride + rows, y.to(dt), mask=rows < N)
+    tl.store(out_ptr + slot * out_slot_stride + rows, y.to(dt), mask=rows < N * last)
 
 
 @triton.jit
@@ -292,7 +300,8 @@ def gemv_tc(x: torch.Tensor, w_data: torch.Tensor, type_id: int | str, K: int, o
 def gemv_tc_experts_glu(x: torch.Tensor, gate_data: torch.Tensor, up_data: torch.Tensor, expert_ids: torch.Tensor,
                         type_id: int | str, K: int, out: torch.Tensor | None = None,
                         out_dtype: torch.dtype = torch.float32, *, block_n: int = 16,
-                        num_warps: int = 4, pipe: bool = True, num_stages: int = 1, x_prebuilt: bool = False) -> torch.Tensor:
+                        num_warps: int = 4, pipe: bool = True, num_stages: int = 1, x_prebuilt: bool = False,
+                        split_k: int = 1) -> torch.Tensor:
     """out[i] = silu(G[e] x) * (U[e] x), e = expert_ids[i]: `gemv.gemv_experts_glu` for one token on the tensor
     cores."""
     _check(type_id, x, K, gate_data)
@@ -304,8 +313,16 @@ def gemv_tc_experts_glu(x: torch.Tensor, gate_data: torch.Tensor, up_data: torch
     n = gate_data.shape[1]
     out = torch.empty(k_sel, n, device=x.device, dtype=out_dtype) if out is None else out
     xg, xs = _x_tiles(x, K, x_prebuilt)
-    _tc_glu_kernel[(triton.cdiv(n, block_n), k_sel)](
-        x, xg, xs, gate_data, up_data, expert_ids, out, n, K // CHUNK, gate_data.stride(1) // 4, gate_data.stride(0) // 4,
-        up_data.stride(0) // 4, out.stride(0), BN=block_n, DT=_mma_dtype(x), PIPE=pipe, XG=x_prebuilt,
+    tiles = triton.cdiv(n, block_n) * k_sel
+    sk = G._split(split_k, K // CHUNK, tiles)
+    cnt = G.tickets(x.device) if sk > 1 else None
+    if cnt is None:
+        sk = 1
+        part = cnt = out
+    else:
+        part = torch.empty(tiles * sk * 2 * block_n, dtype=torch.float32, device=x.device)
+    _tc_glu_kernel[(triton.cdiv(n, block_n), k_sel, sk)](
+        x, xg, xs, gate_data, up_data, expert_ids, out, part, cnt, n, K // CHUNK // sk, gate_data.stride(1) // 4, gate_data.stride(0) // 4,
+        up_data.stride(0) // 4, out.stride(0), BN=block_n, DT=_mma_dtype(x), PIPE=pipe, XG=x_prebuilt, SPLIT=sk,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch(x.device))
     return out
