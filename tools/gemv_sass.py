@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from strata.kernels import gemv as G  # noqa: E402
 
+MAXNREG = 0
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
@@ -94,7 +95,10 @@ def compile_kernel(t: G.GemvType, n: int, k: int, bn: int | None = None, nw: int
         else:
             raise KeyError(a)
     src = triton.compiler.ASTSource(fn, sig, constexprs=consts, attrs=attrs)
-    ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps))
+    opts = dict(num_warps=warps)
+    if MAXNREG:
+        opts["maxnreg"] = MAXNREG
+    ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
     weights = tile_rows * dec["CHUNK_X"]
     return ck, dict(type=t.name, n=n, k=k, kernel=kernel, BN=rows, warps=warps, NB=dec["NB"],
                     weights_per_thread=weights / (warps * 32))
