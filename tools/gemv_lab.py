@@ -51,9 +51,7 @@ LAB_TYPES = {"Q4_K_BYTES": G._Q4_K_BYTES,
              "Q5_1_PIPE": dataclasses.replace(G.gemv_type("Q5_1"), load=gb.load_q5_1, unpack=gb.unpack_q5_1),
              "Q8_0_R8_PIPE": dataclasses.replace(G.gemv_type("Q8_0_R8"), load=gb.load_q8_0_r8,
                                                  unpack=gb.unpack_q8_0_r8),
-             "Q6_K_P_NOPIPE": dataclasses.replace(G.gemv_type("Q6_K_P"), load=None, unpack=None),
-             **{f"Q4_K_R{r}": dataclasses.replace(G.gemv_type("Q4_K"), max_regs=r) for r in (64, 72, 80)},
-             **{f"Q5_1_R{r}": dataclasses.replace(G.gemv_type("Q5_1"), max_regs=r) for r in (32, 40)}}
+             "Q6_K_P_NOPIPE": dataclasses.replace(G.gemv_type("Q6_K_P"), load=None, unpack=None)}
 """Decoders not in the production table, by name: Q4_K_BYTES is Q4_K's byte-wise form, which production keeps
 for small one-token launches only; Q4_K_NOPIPE is Q4_K's decoder called whole (no software-pipelined K loop),
 NAME_PIPE NAME's decoder pipelined (H200, 8d02f4e: Q4_K routed GLU 21.9 -> 19.6 us pipelined; Q5_1 expert down
@@ -96,12 +94,9 @@ at the decode step's shapes (GDN projections, out projection, head); NAME_PIPE /
 without the software pipelining."""
 EXPERTS = [("Q4_K", 640, 2560, "glu", [("default", None, None), ("bn8", 8, None), ("bn32", 32, None),
                                         ("sk2", None, 2)]),
-           ("Q4_K_R64", 640, 2560, "glu", [("default", None, None)]),
-           ("Q4_K_R72", 640, 2560, "glu", [("default", None, None), ("bn16", 16, None)]),
-           ("Q4_K_R80", 640, 2560, "glu", [("default", None, None)]),
+           ("Q4_K_NOPIPE", 640, 2560, "glu", [("default", None, None), ("bn8", 8, None)]),
            ("Q5_1", 2560, 640, "down", [("default", None, None), ("bn8", 8, None), ("sk5", None, 5)]),
-           ("Q5_1_R32", 2560, 640, "down", [("default", None, None)]),
-           ("Q5_1_R40", 2560, 640, "down", [("default", None, None)])]
+           ("Q5_1_PIPE", 2560, 640, "down", [("default", None, None)])]
 """Routed-expert launches at the real shapes (10 of 256 experts): gate/up GLU and the per-slot down projection,
 (label, block_n, split_k) variants."""
 GLU_SUITE = [("Q8_0", [(640, 2560)])]

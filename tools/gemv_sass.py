@@ -36,7 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from strata.kernels import gemv as G  # noqa: E402
 
-MAXNREG = 0
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
@@ -95,10 +94,7 @@ def compile_kernel(t: G.GemvType, n: int, k: int, bn: int | None = None, nw: int
         else:
             raise KeyError(a)
     src = triton.compiler.ASTSource(fn, sig, constexprs=consts, attrs=attrs)
-    opts = dict(num_warps=warps)
-    if MAXNREG:
-        opts["maxnreg"] = MAXNREG
-    ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+    ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps))
     weights = tile_rows * dec["CHUNK_X"]
     return ck, dict(type=t.name, n=n, k=k, kernel=kernel, BN=rows, warps=warps, NB=dec["NB"],
                     weights_per_thread=weights / (warps * 32))

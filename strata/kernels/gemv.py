@@ -75,8 +75,6 @@ class GemvType:
     slots_block_n: rows per program of one-token expert launches (several matrices chosen by id), if not block_n.
     load, unpack: `decode` split in its loads and its arithmetic (decode = unpack(load(...))), for the GEMV's
         software-pipelined K loop (`_tile`); None: the loop calls `decode` whole.
-    max_regs: a register budget per thread for the compiler (Triton's `maxnreg`, CUDA only): more programs per SM
-        for longer code; None: the compiler's choice.
     dense_dtype: the element type of dense rows (None for block types).
     f16_fields: byte offsets of the fp16 scale fields in a block (for making random blocks with sane scales).
     """
@@ -99,7 +97,6 @@ class GemvType:
     slots_block_n: int | None = None
     load: Any = None
     unpack: Any = None
-    max_regs: int | None = None
 
 
 _Q4_K_BYTES = GemvType("Q4_K", 12, 256, 144, gb.decode_q4_k, 5, 2, block_n=8, num_warps=8, small=(2, 4),
@@ -705,8 +702,6 @@ def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | N
         sk = 1
     consts = dict(dec, T=n_tok, T_PAD=t_pad, HAS_IDS=ids is not None, SPLIT=sk,
                   num_warps=_warps(t, n_tok, num_warps, n * slots), **pdl.launch(x.device))
-    if t.max_regs is not None and x.is_cuda:
-        consts["maxnreg"] = t.max_regs
     ids = ids if ids is not None else w
     if sk > 1 or summed:
         part = torch.empty(tiles * sk * (bn if up is None else 2 * bn) * t_pad, dtype=torch.float32, device=w.device)
