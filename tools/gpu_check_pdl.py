@@ -3,8 +3,8 @@
 PDL lets each kernel start while the previous one ends; a kernel that read or wrote something before its
 `pdl.wait` that it may not would race, and a race shows as results that differ from the plainly launched
 step. So: a synthetic model at the real geometry (fewer layers, bf16), its captured decode step run for a number
-of tokens from the same filled state with PDL off, then on (captured and eager): every token's logits must be
-equal bit for bit. Prints one line per variant and writes JSON to --out.
+of tokens from the same filled state with PDL off, then on (captured as two graphs split at the first PLE layer,
+captured as one graph, and eager): every token's logits must be equal bit for bit. Prints one line per variant and writes JSON to --out.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from strata.runtime.placement import fast_ops, fuse_groups  # noqa: E402
 from strata.runtime.synthetic import TypeMix, real_config, synthetic_weights  # noqa: E402
 
 
-def run_tokens(model: Model, context: int, tokens: int, capture: bool) -> list[torch.Tensor]:
-    step = DecodeStep(model, capacity=context + tokens + 8, capture=capture)
+def run_tokens(model: Model, context: int, tokens: int, capture: bool, split: bool = True) -> list[torch.Tensor]:
+    step = DecodeStep(model, capacity=context + tokens + 8, capture=capture, split=split)
     fill_state(step, context, torch.Generator(device=model.device).manual_seed(1))
     tok, out = 11, []
     for _ in range(tokens):
@@ -52,9 +52,10 @@ def main() -> int:
     with pdl.enabled(False):
         plain = run_tokens(model, args.context, args.tokens, capture=True)
     rows = []
-    for name, capture in (("pdl captured", True), ("pdl eager", False)):
+    for name, capture, split in (("pdl captured", True, True), ("pdl one graph", True, False),
+                                 ("pdl eager", False, True)):
         with pdl.enabled(True):
-            got = run_tokens(model, args.context, args.tokens, capture)
+            got = run_tokens(model, args.context, args.tokens, capture, split)
         diff = [int((a != b).sum()) for a, b in zip(plain, got, strict=True)]
         rows.append({"variant": name, "pdl_active": pdl.active(dev), "tokens": args.tokens,
                      "tokens_differing": sum(d > 0 for d in diff), "max_logits_differing": max(diff),

@@ -35,6 +35,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--one-stream", action="store_true",
                    help="run a layer's independent branches (routed and shared experts) one after the other on "
                         "one CUDA stream instead of side by side")
+    p.add_argument("--no-split", action="store_true",
+                   help="capture the decode step as one graph, staged whole before it runs, instead of two split "
+                        "at the first PLE layer (the host stages that layer's rows while the first runs)")
     p.add_argument("--device", default="cuda", help="CUDA device (default: cuda)")
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.set_defaults(run=run)
@@ -77,11 +80,11 @@ def run(args: argparse.Namespace) -> int:
               "copy_bandwidth_bytes_per_s": bw, "model": args.model or "synthetic (real geometry)",
               "type_mix": mix_text, "layers": weights.cfg.num_hidden_layers,
               "ops": "reference" if ops is None else "triton", "pdl": ops is not None and pdl.active(dev),
-              "branch_streams": ops is not None and not args.one_stream,
+              "branch_streams": ops is not None and not args.one_stream, "split_step": not args.no_split,
               "decode": []}
     for ctx in contexts:
         r = bench.bench_decode(model, ctx, args.tokens, args.runs, stage_table=not args.no_stages,
-                               profile=args.profile and ctx == contexts[0])
+                               profile=args.profile and ctx == contexts[0], split=not args.no_split)
         b = bench.token_bytes(weights, ctx)
         r["bytes_per_token"] = b
         r["floor_ms"] = b["total"] / bw * 1e3

@@ -33,6 +33,16 @@ class StepInputs:
     ple: dict[int, torch.Tensor]  # layer -> (L, ngram_heads, stored row width)
 
 
+@dataclass
+class Carry:
+    """The residual state between layers: the S-stream state x, the last block's write not yet applied
+    (inject, y) or None, and the rotary tables of the call's positions (None without QSA layers)."""
+
+    x: torch.Tensor
+    pending: tuple[torch.Tensor, torch.Tensor] | None
+    rope: Rope | None
+
+
 class Model:
     """The math of the model over a canonical weight set. Stateless: all sequence state is passed in."""
 
@@ -72,16 +82,29 @@ class Model:
     def run(self, inputs: StepInputs, state: SequenceState, static: bool = False) -> torch.Tensor:
         """Final hidden states (L, H); writes the device-side caches of `state`. `static` keeps every shape
         independent of the data (for a captured step)."""
+        carry = self.run_layers(self.begin(inputs), inputs, state, 0, self.cfg.num_hidden_layers, static)
+        return self.finish(carry)
+
+    def begin(self, inputs: StepInputs) -> Carry:
+        """The residual state before layer 0: the embedded ids repeated over the streams (and the rotary tables
+        of the positions, once for every QSA layer)."""
+        cfg = self.cfg
+        x = self.ops.embed(inputs.ids, self.w["embed"], self.dtype).repeat(1, cfg.hc_count)
+        has_qsa = not all(cfg.is_linear(i) for i in range(cfg.num_hidden_layers))
+        return Carry(x, None, Rope.at(inputs.positions, cfg, self.dtype) if has_qsa else None)
+
+    def run_layers(self, carry: Carry, inputs: StepInputs, state: SequenceState, start: int, stop: int,
+                   static: bool = False) -> Carry:
+        """Layers start .. stop - 1 on the carried residual state. Only layers in that range read their inputs
+        (a PLE layer its table rows), so a decode step can run the layers before the first PLE layer while the
+        host is still gathering that layer's rows."""
         cfg, w, ops = self.cfg, self.w, self.ops
         S, eps = cfg.hc_count, cfg.rms_norm_eps
-        x = ops.embed(inputs.ids, w["embed"], self.dtype).repeat(1, S)
-        has_qsa = not all(cfg.is_linear(i) for i in range(cfg.num_hidden_layers))
-        rope = Rope.at(inputs.positions, cfg, self.dtype) if has_qsa else None  # once, for every QSA layer
+        x, pending, rope = carry.x, carry.pending, carry.rope
         # Each block's write x += inject * y is deferred into the read that follows it (`ops.hc_write_read`, which
         # a fast backend runs in the read's launches): `pending` holds the (inject, y) not yet applied. Only a
         # PLE layer, whose mix reads the written state before the block's read, applies it on its own.
-        pending = None
-        for i in range(cfg.num_hidden_layers):
+        for i in range(start, stop):
             if i in inputs.ple:
                 if pending is not None:
                     x, pending = ops.hc_write(x, *pending), None
@@ -96,10 +119,15 @@ class Model:
                 y = qsa_layer(a, inputs.positions, rope, inputs.n_keys, w, i, cfg, state.layers[i], ops, static)
             x, a, inject = hc_write_read(x, inject, y, w, f"L{i}.hc_ffn", S, eps, ops)
             pending = (inject, moe_layer(a, w, i, cfg, ops))
-        if pending is None:  # no layers
-            h, _ = hc_read(x, w, "final", S, eps, ops, inject=False)
+        return Carry(x, pending, rope)
+
+    def finish(self, carry: Carry) -> torch.Tensor:
+        """The final mixer's read of the residual state after the last layer: (L, H)."""
+        S, eps = self.cfg.hc_count, self.cfg.rms_norm_eps
+        if carry.pending is None:  # no layers
+            h, _ = hc_read(carry.x, self.w, "final", S, eps, self.ops, inject=False)
         else:
-            _, h, _ = hc_write_read(x, *pending, w, "final", S, eps, ops, inject=False)
+            _, h, _ = hc_write_read(carry.x, *carry.pending, self.w, "final", S, eps, self.ops, inject=False)
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,12 @@ needs — the token id, its position, the PLE rows gathered on the host — is c
 before the replay. Inside, nothing depends on data: no host synchronisation, no allocation, the same kernels
 every token. Outside CUDA (or with `capture=False`) the same step runs eagerly, which is how the CPU tests
 check it against the growing-state decode path.
+
+When the first PLE layer is not layer 0, the step is captured as two graphs split at that layer: the host copies
+the id and position, replays the front (embedding and the layers before it), and only then hashes the token's
+n-grams, gathers their table rows and copies them, and replays the rest. The device runs the front while the
+host stages the rows and launches the second graph, so neither the staging nor that launch is on the token's
+critical path.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import torch
 
 from strata.errors import StrataError
 from strata.model.experts import experts_gather
-from strata.model.model import Model, StepInputs
+from strata.model.model import Carry, Model, StepInputs
 from strata.model.ops import Ops
 from strata.runtime.state import SequenceState
 from strata.runtime.streams import CAPTURE_LANE, side_stream
@@ -47,7 +53,7 @@ class DecodeStep:
     """A model's single-token decode step bound to one fixed-capacity sequence state."""
 
     def __init__(self, model: Model, capacity: int, capture: bool | None = None,
-                 state: SequenceState | None = None):
+                 state: SequenceState | None = None, split: bool = True):
         self.model = Model(model.w, model.dtype, model.device, capturable(model.ops))
         self.capacity = capacity
         if state is not None and not state.fixed_capacity(capacity):
@@ -76,9 +82,13 @@ class DecodeStep:
         self.capture = dev.type == "cuda" if capture is None else capture
         if self.capture and dev.type != "cuda":
             raise StrataError("graph capture needs a CUDA device")
-        # One graph per way of ending the step: "logits" (logits and their argmax, for greedy decoding and for
-        # host-side samplers) and "sampled" (a draw by `self.sampler` too). Each holds its own output buffers.
-        self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        # The graphs of one step per way of ending it: "logits" (logits and their argmax, for greedy decoding and
+        # for host-side samplers) and "sampled" (a draw by `self.sampler` too), each with its own output buffers;
+        # two graphs each (front, rest) where the step splits at the first PLE layer, else one.
+        first_ple = min(cfg.ple, default=0)
+        self.split: int | None = first_ple if split and first_ple > 0 else None
+        self.graphs: dict[str, tuple[torch.cuda.CUDAGraph, ...]] = {}
+        self._carry: dict[str, Carry] = {}  # the front graph's outputs, which the rest reads
         self._copied: torch.cuda.Event | None = None  # recorded after the last copy out of the host buffer
         self.outs: dict[str, tuple[torch.Tensor, ...]] = {}
         self._sampler = None
@@ -106,35 +116,73 @@ class DecodeStep:
             self._sampler = DeviceSampler(self.model.device)
         return self._sampler
 
-    def _compute(self, kind: str = "logits") -> tuple[torch.Tensor, ...]:
-        h = self.model.run(self.inputs, self.state, static=True)
-        logits = self.model.logits(h)[0]
+    def _front(self) -> Carry:
+        """The layers before the split (none when the step does not split)."""
+        m = self.model
+        return m.run_layers(m.begin(self.inputs), self.inputs, self.state, 0, self.split or 0, static=True)
+
+    def _rest(self, carry: Carry, kind: str) -> tuple[torch.Tensor, ...]:
+        m = self.model
+        carry = m.run_layers(carry, self.inputs, self.state, self.split or 0, m.cfg.num_hidden_layers, static=True)
+        logits = m.logits(m.finish(carry))[0]
         if kind == "sampled":
             return logits, self.sampler(logits)
         return logits, logits.argmax()
 
-    def _stage(self, token: int) -> None:
-        """Host work for the token into the page-locked buffer, copied to the static inputs asynchronously (one
-        copy); the buffer is rewritten only once the previous step's copy is done."""
+    def _compute(self, kind: str = "logits") -> tuple[torch.Tensor, ...]:
+        return self._rest(self._front(), kind)
+
+    def _ready(self) -> None:
+        """Before staging a token: room in the state, and the previous token's copies out of the page-locked
+        buffer done (so it can be rewritten)."""
         if self.state.length >= self.capacity:
             raise StrataError(f"the sequence reached the decode capacity of {self.capacity} tokens")
         if self._copied is not None:
             self._copied.synchronize()
-        self._host_ints[0] = token
-        self._host_ints[1] = self.model.stage_token(token, self.state, self._host_ple)
-        self._packed.copy_(self._host, non_blocking=True)
+
+    def _copy(self, start: int = 0) -> None:
+        """The page-locked buffer from byte `start` on, copied to the static inputs asynchronously."""
+        self._packed[start:].copy_(self._host[start:], non_blocking=True)
         if self.model.device.type == "cuda":
             self._copied = self._copied or torch.cuda.Event()
             self._copied.record()
 
+    def _stage(self, token: int) -> None:
+        """Host work for the token into the page-locked buffer, copied to the static inputs asynchronously (one
+        copy)."""
+        self._ready()
+        self._host_ints[0] = token
+        self._host_ints[1] = self.model.stage_token(token, self.state, self._host_ple)
+        self._copy()
+
     def _run(self, token: int, kind: str) -> tuple[torch.Tensor, ...]:
-        self._stage(token)
-        if not self.capture:
-            return self._compute(kind)
-        if kind not in self.graphs:
+        if not self.capture or kind not in self.graphs:
+            self._stage(token)
+            if not self.capture:
+                return self._compute(kind)
             self._capture(kind)
-        self.graphs[kind].replay()
+            self.replay(kind)
+            return self.outs[kind]
+        graphs = self.graphs[kind]
+        if len(graphs) == 1:
+            self._stage(token)
+            graphs[0].replay()
+            return self.outs[kind]
+        # split: id and position first, the front replayed, then the PLE rows (host work while the front runs)
+        self._ready()
+        self._host_ints[0] = token
+        self._host_ints[1] = self.state.length
+        self._packed[:16].copy_(self._host[:16], non_blocking=True)
+        graphs[0].replay()
+        self.model.stage_token(token, self.state, self._host_ple)
+        self._copy(16)
+        graphs[1].replay()
         return self.outs[kind]
+
+    def replay(self, kind: str = "logits") -> None:
+        """Replay the captured step's graphs on the inputs already staged (benchmarks: no host work)."""
+        for g in self.graphs[kind]:
+            g.replay()
 
     @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:
@@ -161,16 +209,19 @@ class DecodeStep:
                 self._compute(kind)
                 self._restore(snapshot, offset)
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            self.outs[kind] = self._compute(kind)
-        self.graphs[kind] = graph
+        if self.split is None:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                self.outs[kind] = self._compute(kind)
+            self.graphs[kind] = (graph,)
+        else:  # each graph has its own memory pool, so the rest's buffers never alias the front's outputs
+            front, rest = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(front, stream=side):
+                self._carry[kind] = self._front()
+            with torch.cuda.graph(rest, stream=side):
+                self.outs[kind] = self._rest(self._carry[kind], kind)
+            self.graphs[kind] = (front, rest)
         self._restore(snapshot, offset)
-
-    @property
-    def graph(self) -> torch.cuda.CUDAGraph | None:
-        """The logits graph (None before the first captured step)."""
-        return self.graphs.get("logits")
 
     def _restore(self, snapshot: SequenceState, offset: torch.Tensor | None = None) -> None:
         if offset is not None:
