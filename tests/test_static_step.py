@@ -33,6 +33,20 @@ def test_static_step_matches_dynamic_decode(engine):
     assert diff < 1e-5
 
 
+def test_split_step_equals_the_whole_step(engine):
+    """The step split at the first PLE layer (front layers, then the rest on the carried state: what the GPU
+    captures as two graphs) gives the same logits as the step run whole, bit for bit. (The "hc4" model's first
+    PLE layer is layer 1, so it splits; "tiny" has a PLE layer 0, so there is nothing to run before it.)"""
+    first_ple = min(engine.cfg.ple)
+    ids = torch.randint(2, engine.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(5))
+    outs = []
+    for split in (True, False):
+        step = DecodeStep(engine.model, capacity=32, capture=False, split=split)
+        assert step.split == (first_ple if split and first_ple > 0 else None)
+        outs.append([step.prefill(ids[:4])] + [step.step(int(t)) for t in ids[4:]])
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+
+
 def test_expert_gather_twin_matches_reference(engine):
     w, cfg = engine.weights, engine.cfg
     g = torch.Generator().manual_seed(0)
