@@ -29,6 +29,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 import strata.kernels.gemv as _gemv
 import strata.kernels.gemv_blocks as _blocks
+import strata.kernels.gemv_rr as _rr
 import strata.kernels.ops as _kops
 import strata.kernels.pdl as _pdl
 from strata.kernels import gemv_tables
@@ -42,7 +43,7 @@ from strata.weights.tensor import DenseTensor, RowConcatTensor
 # A module that imported the kernels before this one did (with the interpreter off) holds compiled-mode functions
 # that cannot run here: rebuild them in interpreter mode.
 if not isinstance(_blocks.decode_q8_0, InterpretedFunction):
-    for _m in (_pdl, _blocks, _gemv, _kops):
+    for _m in (_pdl, _blocks, _rr, _gemv, _kops):
         importlib.reload(_m)
 G = _gemv
 K_OPS = _kops
@@ -55,7 +56,7 @@ def zlib_seed(name: str) -> int:
     return zlib.crc32(name.encode())
 
 QUANT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_0_R8", "IQ4_NL", "Q2_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-               "Q6_K_P", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS"]
+               "Q6_K_P", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS", "Q8_0_R", "Q4_K_R"]
 DENSE_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 def k_for(name: str) -> int:
@@ -260,7 +261,8 @@ def test_split_k_is_lowered_to_a_divisor_of_the_chunks() -> None:
     assert G._split(None, 10, 100) == 1 and G._split(2, 10, G.SPLIT_COUNTERS + 1) == 1
 
 
-@pytest.mark.parametrize("name", ["IQ4_NL", "Q8_0", "Q5_1", "Q4_K", "Q6_K", "IQ4_XS", "Q8_0_R8", "Q6_K_P"])
+@pytest.mark.parametrize("name", ["IQ4_NL", "Q8_0", "Q5_1", "Q4_K", "Q6_K", "IQ4_XS", "Q8_0_R8", "Q6_K_P", "Q8_0_R",
+                                  "Q4_K_R"])
 def test_dequantize_rows_matches_the_reference_decoder(name: str) -> None:
     """5 stored rows (three programs of 2, the last partial) decoded to fp32 equal quants.dequantize to fp32
     rounding (the decoders form d*sc first), and to bf16 they round to the same value but where the two fp32
@@ -361,12 +363,12 @@ def test_fuse_rows_stores_groups_back_to_back() -> None:
 
 def test_fuse_rows_repacks_tall_q8_0_groups(monkeypatch) -> None:
     """With `repack` (the GPU placement), a Q8_0 group of at least REPACK_MIN_ROWS_PER_K rows per column is stored
-    as Q8_0_R8: same values (dequantized and through the GEMV as one launch), other groups as they were."""
+    as Q8_0_R: same values (dequantized and through the GEMV as one launch), other groups as they were."""
     rng = np.random.default_rng(12)
     parts = [QuantTensor(n, random_blocks("Q8_0", r, 256, rng), 8, (r, 256)) for n, r in (("q", 700), ("z", 324))]
     assert sum(p.shape[0] for p in parts) == placement.REPACK_MIN_ROWS_PER_K * 256
     fused = placement.fuse_rows(parts, repack=True)
-    assert [t.kind for t in fused] == ["Q8_0_R8", "Q8_0_R8"]
+    assert [t.kind for t in fused] == ["Q8_0_R", "Q8_0_R"]
     assert all(torch.equal(a.dense(), b.dense()) for a, b in zip(parts, fused, strict=True))
     assert [t.kind for t in placement.fuse_rows(parts)] == ["Q8_0", "Q8_0"]  # not asked
     short = [QuantTensor("s", random_blocks("Q8_0", 16, 256, rng), 8, (16, 256))] * 2

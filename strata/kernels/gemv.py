@@ -42,7 +42,7 @@ import triton.language as tl
 
 from strata.errors import StrataError
 from strata.kernels import gemv_blocks as gb
-from strata.kernels import pdl
+from strata.kernels import gemv_rr, pdl
 from strata.kernels.gemv_tables import device_table
 
 MAX_TOKENS = 8
@@ -136,6 +136,8 @@ _TYPE_LIST: tuple[GemvType, ...] = (
     GemvType("Q8_0_R8", 1008, 256, 272, gb.decode_q8_0_r8, 4, 4, block_n=4, f16_fields=tuple(range(0, 16, 2))),
     GemvType("Q6_K_P", 1014, 256, 224, gb.decode_q6_k_p, 6, 1, block_n=16, f16_fields=(208,), load=gb.load_q6_k_p,
              unpack=gb.unpack_q6_k_p),
+    GemvType("Q8_0_R", 1009, 256, 272, gb.decode_q8_0_r, 4, 1, block_n=4, f16_fields=tuple(range(0, 16, 2))),
+    GemvType("Q4_K_R", 1012, 256, 144, gb.decode_q4_k_r, 5, 1, block_n=8, num_warps=8, f16_fields=(0, 2)),
 )
 
 GEMV_TYPES: dict[int, GemvType] = {t.type_id: t for t in _TYPE_LIST}
@@ -684,6 +686,11 @@ def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | N
     `slot_weights` (plain kernel, one token; the caller checked that tickets are left) the slots are summed into
     out's one row."""
     if n == 0 or slots == 0 or n_tok == 0:
+        return
+    if (slot_weights is None and (split_k or 1) <= 1 and block_n is None and num_warps is None
+            and gemv_rr.covers(t.name, n_tok, w, up, (w_slot_stride, up_slot_stride))):
+        gemv_rr.launch(t.name, x, w, ids, out, n, k, slots, w_slot_stride, x_slot_stride, out_slot_stride, up,
+                       up_slot_stride, pdl.launch(x.device))
         return
     if t.small_form is not None and _small(t, n_tok, n * slots):
         t = t.small_form

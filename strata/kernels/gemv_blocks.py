@@ -611,6 +611,46 @@ def decode_q8_0_r8(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
+def _word_order(i):
+    """The weight that byte i of a 32-byte run of a word-ordered layout (Q4_K_R, Q8_0_R) holds: byte 4w + b is
+    weight 8b + w."""
+    return 8 * (i % 4) + i // 4
+
+
+@triton.jit
+def decode_q4_k_r(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """Q4_K_R (`strata.weights.repack`): Q4_K with each 32-byte group of nibbles in word order, byte by byte, for
+    the launches the row-register GEMV (`gemv_rr`) does not take (several tokens, summed slots, row decodes).
+    [BN, NB, 4 = c, 32, 2 = nibble]."""
+    s = tl.arange(0, NB)
+    c = tl.arange(0, 4)
+    i = tl.arange(0, 32)
+    bp = rp[:, None] + s[None, :] * 144
+    qb = _u8(bp[:, :, None, None] + 16 + (c[:, None] * 32 + i[None, :])[None, None, :, :])
+    sl, ml = _k4_scale_min_nb(bp + 4, 2 * c)
+    sh, mh = _k4_scale_min_nb(bp + 4, 2 * c + 1)
+    d = _f16(bp)[:, :, None, None]
+    dm = _f16(bp + 2)[:, :, None, None]
+    base = s[:, None, None] * 256 + c[None, :, None] * 64 + _word_order(i)[None, None, :]
+    return (tl.join(_i2f(qb & 15, 0.0) * (d * sl) - dm * ml, _i2f(qb >> 4, 0.0) * (d * sh) - dm * mh),
+            tl.join(base, base + 32))
+
+
+@triton.jit
+def decode_q8_0_r(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """Q8_0_R (`strata.weights.repack`): Q8_0_R8's groups with the quants stored as q + 128 in word order, for the
+    launches the row-register GEMV does not take. NB groups per chunk. [BN, NB, 8 = block, 32]."""
+    g = tl.arange(0, NB)
+    b = tl.arange(0, 8)
+    i = tl.arange(0, 32)
+    gp = rp[:, None] + g[None, :] * 272
+    d = _f16(gp[:, :, None] + 2 * b[None, None, :])
+    q = _u8((gp + 16)[:, :, None, None] + (b[:, None] * 32 + i[None, :])[None, None, :, :])
+    xo = g[:, None, None] * 256 + b[None, :, None] * 32 + _word_order(i)[None, None, :]
+    return _i2f(q, 128.0) * d[:, :, :, None], xo
+
+
+@triton.jit
 def load_q6_k_p(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
     """The loads of `decode_q6_k_p`: ql as [BN, 4 = g, 8 = u] int32 words, qh as the same tile (word u of half
     g // 2, each loaded for both g of a half), the scale words of nibble 0 and 1 ([BN, 4, 1]) and the word of d."""

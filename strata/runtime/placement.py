@@ -15,7 +15,7 @@ import torch
 from strata.errors import StrataError
 from strata.model.ops import Ops
 from strata.weights.quant_tensor import QuantTensor
-from strata.weights.repack import Q6_K_ID, Q6_K_P_ID, pad_q6_k, repack_rows
+from strata.weights.repack import Q4_K_ID, Q4_K_R_ID, Q6_K_ID, Q6_K_P_ID, pad_q6_k, reorder_q4_k, repack_rows
 from strata.weights.schema import Weights
 from strata.weights.tensor import DenseTensor, StackedTensor, StoredTensor, raw_rows
 
@@ -29,10 +29,16 @@ runs the group as one GEMV (one launch instead of up to five)."""
 
 
 REPACK_MIN_ROWS_PER_K = 4
-"""A fused group on a GPU is stored in its repacked layout (`strata.weights.repack`: Q8_0 -> Q8_0_R8) when it has
-at least this many rows per input column. The GEMV of the repacked rows measured faster for tall matrices
-(16432 x 2560: 19.3 us against 25.1; 13952 x 2560: 16.6 against 21.7) and slower for short wide ones
-(2560 x 6144: 11.6 against 10.8; tools/gemv_lab.py, H200)."""
+"""A fused group on a GPU is stored in its repacked layout (`strata.weights.repack`: Q8_0 -> Q8_0_R, Q4_K ->
+Q4_K_R) when it has at least this many rows per input column. The row-register GEMV of the repacked rows
+(`kernels/gemv_rr.py`) measured faster for tall matrices (Q8_0 16432 x 2560: 15.3 us against 18.8) and slower
+for short wide ones, where its K loop is long and its programs few (2560 x 6144: 12.4 us at best against 10.3;
+bench/results/2026-12-04-h200-gemv-rr-lab.json)."""
+
+WORD_ORDERED_STACKS = ("moe.gate_exps", "moe.up_exps")
+"""Expert stacks a GPU stores as Q4_K_R when they are Q4_K: the routed experts' gate/up GLU of one token is the
+row-register GEMV's (19.6 -> 13.4 us per layer at the real shape, H200). The down stacks stay as they are: their
+one-token launch also sums the slots, which only the generic kernel does."""
 
 
 def fuse_rows(parts: list[StoredTensor], repack: bool = False) -> list[StoredTensor]:
@@ -78,10 +84,12 @@ def place(w: Weights, device: torch.device | str) -> Weights:
 
 def gpu_layout(w: Weights) -> Weights:
     """The weight set in the layouts GPU placement stores (the tensors where they are): every 2-D Q6_K matrix
-    but the host-resident ones as Q6_K_P (`padded_matrix`), the FUSED_GROUPS back to back and repacked
+    but the host-resident ones as Q6_K_P (`padded_matrix`), Q4_K gate/up expert stacks as Q4_K_R
+    (`word_ordered`), the FUSED_GROUPS back to back and repacked
     (`fuse_groups`). `place` ends with it, and the benchmark's synthetic model goes through it, so both run the
     same kernels on the same layouts."""
-    tensors = {name: t if name.endswith(HOST_RESIDENT) else padded_matrix(t) for name, t in w.tensors.items()}
+    tensors = {name: t if name.endswith(HOST_RESIDENT) else word_ordered(name, padded_matrix(t))
+               for name, t in w.tensors.items()}
     return fuse_groups(Weights(w.cfg, tensors, w.gdn_value_order, w.source, w.unknown), repack=True)
 
 
@@ -90,6 +98,14 @@ def padded_matrix(t: StoredTensor) -> StoredTensor:
     GEMV loads words instead of bytes), anything else unchanged. Same values."""
     if isinstance(t, QuantTensor) and t.type_id == Q6_K_ID and len(t.shape) == 2:
         return QuantTensor(t.name, pad_q6_k(t.data, t.shape[1]), Q6_K_P_ID, t.shape)
+    return t
+
+
+def word_ordered(name: str, t: StoredTensor) -> StoredTensor:
+    """A Q4_K expert stack of WORD_ORDERED_STACKS in the Q4_K_R layout, anything else unchanged. Same values."""
+    if (name.endswith(WORD_ORDERED_STACKS) and isinstance(t, QuantTensor) and t.type_id == Q4_K_ID
+            and len(t.shape) == 3):
+        return QuantTensor(t.name, reorder_q4_k(t.data, t.shape[-1]), Q4_K_R_ID, t.shape)
     return t
 
 

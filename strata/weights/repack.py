@@ -11,6 +11,14 @@ A Q6_K block is {ql[128]; qh[64]; int8 scales[16]; fp16 d}, 210 bytes, so the bl
 alignment and the GEMV reads them byte by byte. Q6_K_P pads every block to 224 = 14 x 16 bytes (the same fields at
 the same offsets, then 14 zero bytes): every field of every block is 16-byte aligned and loads as int32 words,
 for 6.7% more bytes. Made for 2-D Q6_K matrices placed on a GPU (the output head of most releases).
+
+Q4_K_R and Q8_0_R order each block's quants for the row-register GEMV (`strata.kernels.gemv_rr`), which reads
+16-byte vectors of words and multiplies the k-th byte of every word by one contiguous run of x:
+* Q4_K_R: the Q4_K block with, in each 32-byte group of nibbles, byte 4w + b taken from byte 8b + w (w < 8, b < 4;
+  nibbles unchanged): the low (high) nibble of byte b of word w is weight 64c + 8b + w (+ 32) of group c.
+* Q8_0_R: Q8_0_R8's groups {fp16 d[8]; q[8][32]} with every quant stored as q + 128 (an unsigned byte) and, in
+  each block, byte 4w + b taken from byte 8b + w: byte b of word w is weight 8b + w of the block.
+Both keep the bytes and the size of their ggml type.
 """
 
 from __future__ import annotations
@@ -18,10 +26,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from strata.weights.quants_k import q6_k, q8_0
+from strata.weights.quants_k import q4_k, q6_k, q8_0
 
 Q8_0_ID = 8
 Q8_0_R8_ID = 1008
+Q8_0_R_ID = 1009
+Q4_K_ID = 12
+Q4_K_R_ID = 1012
 Q6_K_ID = 14
 Q6_K_P_ID = 1014
 Q6_K_BYTES, Q6_K_P_BYTES = 210, 224
@@ -45,6 +56,46 @@ def regroup_q8_0(rows: Tensor, k: int) -> Tensor:
                      -1).reshape(*lead, -1)
 
 
+def _transpose_words(q: Tensor) -> Tensor:
+    """(..., 32) bytes of 32-byte runs -> byte 4w + b taken from byte 8b + w (w < 8, b < 4)."""
+    return q.reshape(*q.shape[:-1], 4, 8).transpose(-1, -2).reshape(q.shape)
+
+
+def _untranspose_words(q: Tensor) -> Tensor:
+    """The inverse of `_transpose_words`."""
+    return q.reshape(*q.shape[:-1], 8, 4).transpose(-1, -2).reshape(q.shape)
+
+
+def q4_k_r(blocks: Tensor) -> Tensor:
+    """(n, 144) Q4_K_R blocks -> (n, 256) float32: the nibble bytes back in Q4_K order, then Q4_K's decoder."""
+    n = blocks.shape[0]
+    qs = _untranspose_words(blocks[:, 16:].reshape(n, 4, 32)).reshape(n, 128)
+    return q4_k(torch.cat([blocks[:, :16], qs], -1))
+
+
+def reorder_q4_k(rows: Tensor, k: int) -> Tensor:
+    """(..., k/256*144) Q4_K rows -> the same blocks as Q4_K_R rows; a new tensor."""
+    lead = rows.shape[:-1]
+    b = rows.reshape(*lead, k // 256, 144)
+    qs = _transpose_words(b[..., 16:].reshape(*lead, k // 256, 4, 32)).reshape(*lead, k // 256, 128)
+    return torch.cat([b[..., :16], qs], -1).reshape(*lead, -1)
+
+
+def q8_0_r(blocks: Tensor) -> Tensor:
+    """(n, 272) Q8_0_R groups -> (n, 256) float32: back to Q8_0_R8's bytes, then its decoder."""
+    n = blocks.shape[0]
+    q = _untranspose_words(blocks[:, 16:].reshape(n, 8, 32)) ^ 0x80
+    return q8_0_r8(torch.cat([blocks[:, :16], q.reshape(n, 256)], -1))
+
+
+def reorder_q8_0(rows: Tensor, k: int) -> Tensor:
+    """(..., k/32*34) Q8_0 rows -> the same values as Q8_0_R rows (k a multiple of 256); a new tensor."""
+    lead = rows.shape[:-1]
+    g = regroup_q8_0(rows, k).reshape(*lead, k // 256, 272)
+    q = _transpose_words(g[..., 16:].reshape(*lead, k // 256, 8, 32) ^ 0x80)
+    return torch.cat([g[..., :16], q.reshape(*lead, k // 256, 256)], -1).reshape(*lead, -1)
+
+
 def q6_k_p(blocks: Tensor) -> Tensor:
     """(n, 224) Q6_K_P blocks -> (n, 256) float32: the first 210 bytes are the Q6_K block."""
     return q6_k(blocks[:, :Q6_K_BYTES].contiguous())
@@ -62,5 +113,7 @@ def repack_rows(data: Tensor, type_id: int, k: int) -> tuple[Tensor, int]:
     """(rows, type id) to store: `data` ((..., row_bytes) uint8 of ggml type `type_id`, rows of k weights) in its
     repacked layout when there is one, else unchanged."""
     if type_id == Q8_0_ID and k % 256 == 0:
-        return regroup_q8_0(data, k), Q8_0_R8_ID
+        return reorder_q8_0(data, k), Q8_0_R_ID
+    if type_id == Q4_K_ID:
+        return reorder_q4_k(data, k), Q4_K_R_ID
     return data, type_id

@@ -1,0 +1,291 @@
+"""Row-register GEMV: one token's products with the word-ordered layouts Q4_K_R and Q8_0_R (`weights/repack.py`).
+
+The generic GEMV (`gemv.py`) decodes a chunk of every row of a tile into a tile of weights and loads x at offsets
+the decoder returns; Triton then lays the tile out one row per thread and the K loop re-reads x and decodes each
+weight in ~8.5 (Q4_K) or ~6.5 (Q8_0_R8) SASS instructions (`tools/gemv_sass.py`). Here the layouts are made for
+the kernel instead: a thread owns 16-byte vectors of one row's words, and byte b of every word it holds
+multiplies one contiguous run of x, which it loads as 16-byte vectors too (`repack.py` puts weight 8b + w at byte b
+of word w). Each byte becomes an fp32 with one byte permute (PRMT) into a constant, and one FMA turns that into
+the weight:
+
+* Q8_0_R stores q + 128 as u: f = 1 + u / 2^15 (u in byte 1 of 0x3F800000), and fma(f, 2^15 d, -(2^15 + 128) d)
+  is exactly d q (the product is exact inside the FMA and d q has at most 19 significant bits);
+* Q4_K_R: f = 0.5 + q / 256 (the nibble in byte 2 of 0x3F000000), and fma(f, 256 S, -(128 S + M)) with
+  S = d sc, M = dmin m is S q - M up to the one rounding of the constant 128 S + M (|error| <= 2^-24 (128 S + M),
+  about 1e-7 of the weight's scale).
+
+That is ~4.5 (Q4_K_R) and ~3.9 (Q8_0_R) instructions per weight. The launch shapes keep one row per thread and
+few rows per program: the launches are latency-bound, so more programs with short K loops win (H200,
+bench/results/2026-12-04-h200-gemv-rr-lab.json: Q4_K 10240 x 2560 14.8 -> 11.1 us, the routed experts' gate/up
+GLU 19.6 -> 13.4 us, Q8_0 16432 x 2560 18.8 -> 15.3 us).
+
+Covered: one token (T = 1), plain or by expert id, plain or GLU (gate and up rows in one tile); the launcher in
+`gemv.py` sends every other launch of these types (several tokens, summed slots, K splits) to the generic kernel,
+which reads them through `gemv_blocks.decode_q4_k_r` / `decode_q8_0_r`. Under Triton's interpreter (the CPU
+tests) the byte permute is written as shifts and masks with the same result.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from strata.kernels import pdl
+
+ROW_REGISTER_TYPES = ("Q4_K_R", "Q8_0_R")
+
+_BASE = {"Q4_K_R": 0x3F000000, "Q8_0_R": 0x3F800000}
+"""The fp32 bits each type's bytes are permuted into (see the module docstring)."""
+
+
+@triton.jit
+def _permute(v, base, SEL: tl.constexpr, B: tl.constexpr, POS: tl.constexpr, ASM: tl.constexpr):
+    """fp32 with base's bits and byte POS replaced by byte B of v (one PRMT, SEL its selector; base's byte POS is
+    0)."""
+    if ASM:
+        return tl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {SEL};", "=r,r,r", [v, base], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return ((((v >> (8 * B)) & 255) << (8 * POS)) | base).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nibble(v, base, B: tl.constexpr, ASM: tl.constexpr):
+    """0.5 + (byte B of v) / 256 for bytes < 16 (base = 0x3F000000: the byte lands in byte 2)."""
+    return _permute(v, base, 0x7054 | (B << 8), B, 2, ASM)
+
+
+@triton.jit
+def _byte(v, base, B: tl.constexpr, ASM: tl.constexpr):
+    """1 + (byte B of v) / 2^15 (base = 0x3F800000: the byte lands in byte 1)."""
+    return _permute(v, base, 0x7604 | (B << 4), B, 1, ASM)
+
+
+@triton.jit
+def _int_f32(q):
+    """int32 q in [0, 2^23) as fp32, without a convert instruction."""
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _f16_lo(w):
+    return (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _k4_scale_min(h1, h2, h3, sh, LOWC):
+    """Q4_K's 6-bit scale and min of sub-block j from header words 1-3 (the 12 scale bytes), sh = 8 (j & 3),
+    LOWC = j < 4: ggml's get_scale_min_k4, as int32."""
+    b1 = (h1 >> sh) & 255
+    b2 = (h2 >> sh) & 255
+    b3 = (h3 >> sh) & 255
+    return (tl.where(LOWC, b1 & 63, (b3 & 15) | ((b1 >> 6) << 4)),
+            tl.where(LOWC, b2 & 63, (b3 >> 4) | ((b2 >> 6) << 4)))
+
+
+@triton.jit
+def _q4_k_r_load(wp, sb, c, k):
+    """One chunk of Q4_K_R rows: words 4k..4k+3 and 4k+4..4k+7 of group c's 32 nibble bytes, and the 4 header
+    words, of super-blocks sb (wp: int32 pointers to the rows)."""
+    bp = wp + sb * 36
+    return (tl.load(bp + 4 + c * 8 + k), tl.load(bp + 8 + c * 8 + k), tl.load(bp), tl.load(bp + 1),
+            tl.load(bp + 2), tl.load(bp + 3))
+
+
+@triton.jit
+def _q4_k_r_fma(acc, raw, xb, c, base, ASM: tl.constexpr):
+    """acc += the chunk's weights times x (xb: x at the first weight of each thread's words)."""
+    v0, v1, h0, h1, h2, h3 = raw
+    d = _f16_lo(h0)
+    dm = _f16_lo(h0 >> 16)
+    lowc = c < 2
+    sh = (16 * c) % 32  # sub-block 2c (the low nibbles): byte (2c) & 3 of the scale words; 2c + 1: the next byte
+    sc_lo, mn_lo = _k4_scale_min(h1, h2, h3, sh, lowc)
+    sc_hi, mn_hi = _k4_scale_min(h1, h2, h3, sh + 8, lowc)
+    s_lo = d * _int_f32(sc_lo)
+    s_hi = d * _int_f32(sc_hi)
+    c_lo = 128.0 * s_lo + dm * _int_f32(mn_lo)  # w = 256 S f - (128 S + M), f = 0.5 + q / 256
+    c_hi = 128.0 * s_hi + dm * _int_f32(mn_hi)
+    s_lo = 256.0 * s_lo
+    s_hi = 256.0 * s_hi
+    l0 = v0 & 0x0F0F0F0F
+    u0 = (v0 >> 4) & 0x0F0F0F0F
+    l1 = v1 & 0x0F0F0F0F
+    u1 = (v1 >> 4) & 0x0F0F0F0F
+    for b in tl.static_range(4):
+        acc += tl.fma(_nibble(l0, base, b, ASM), s_lo, -c_lo) * tl.load(xb + 8 * b).to(tl.float32)
+        acc += tl.fma(_nibble(l1, base, b, ASM), s_lo, -c_lo) * tl.load(xb + 8 * b + 4).to(tl.float32)
+        acc += tl.fma(_nibble(u0, base, b, ASM), s_hi, -c_hi) * tl.load(xb + 32 + 8 * b).to(tl.float32)
+        acc += tl.fma(_nibble(u1, base, b, ASM), s_hi, -c_hi) * tl.load(xb + 36 + 8 * b).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _q4_k_r_rows(rp, xp, base, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr, ASM: tl.constexpr,
+                 GDC: tl.constexpr):
+    """[BR] fp32: the rows at byte pointers rp (16-byte aligned) times x at xp ([BR, 1, 1, 1] pointers, one x),
+    NCH super-blocks, SBC per loop step, the next step's words loaded before this one's arithmetic. The first
+    step's words are in flight before `pdl.wait(GDC)`."""
+    wp = rp.to(tl.pointer_type(tl.int32))[:, None, None, None]
+    s = tl.arange(0, SBC)[None, :, None, None]
+    c = tl.arange(0, 4)[None, None, :, None]
+    k = tl.arange(0, 4)[None, None, None, :]
+    NIT: tl.constexpr = NCH // SBC
+    nxt = _q4_k_r_load(wp, s, c, k)
+    pdl.wait(GDC)
+    acc = tl.zeros([BR, SBC, 4, 4], tl.float32)
+    for it in tl.range(0, NIT):
+        cur = nxt
+        nxt = _q4_k_r_load(wp, tl.minimum(it + 1, NIT - 1) * SBC + s, c, k)
+        sb = it * SBC + s
+        acc = _q4_k_r_fma(acc, cur, xp + sb * 256 + c * 64 + k, c, base, ASM)
+    return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+
+
+@triton.jit
+def _q8_0_r_load(wp, hp, g, blk, k, D_STRIDE):
+    """One chunk of Q8_0_R rows: words 4k..4k+3 and 4k+4..4k+7 of block blk of groups g, and the block's fp16 d
+    (read with a stride the compiler cannot see, so its load takes the words' thread layout)."""
+    gp = wp + g * 68
+    return tl.load(gp + 4 + blk * 8 + k), tl.load(gp + 8 + blk * 8 + k), tl.load(hp + g * 136 + blk * D_STRIDE)
+
+
+@triton.jit
+def _q8_0_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr,
+                 ASM: tl.constexpr, GDC: tl.constexpr):
+    """`_q4_k_r_rows` for Q8_0_R rows: NCH groups of 256 weights."""
+    wp = rp.to(tl.pointer_type(tl.int32))[:, None, None, None]
+    hp = rp.to(tl.pointer_type(tl.float16))[:, None, None, None]
+    s = tl.arange(0, SBC)[None, :, None, None]
+    blk = tl.arange(0, 8)[None, None, :, None]
+    k = tl.arange(0, 4)[None, None, None, :]
+    NIT: tl.constexpr = NCH // SBC
+    nxt = _q8_0_r_load(wp, hp, s, blk, k, D_STRIDE)
+    pdl.wait(GDC)
+    acc = tl.zeros([BR, SBC, 8, 4], tl.float32)
+    for it in tl.range(0, NIT):
+        v0, v1, d = nxt
+        nxt = _q8_0_r_load(wp, hp, tl.minimum(it + 1, NIT - 1) * SBC + s, blk, k, D_STRIDE)
+        d = d.to(tl.float32)
+        scale = 32768.0 * d
+        shift = 32896.0 * d
+        xb = xp + (it * SBC + s) * 256 + blk * 32 + k
+        for b in tl.static_range(4):
+            acc += tl.fma(_byte(v0, base, b, ASM), scale, -shift) * tl.load(xb + 8 * b).to(tl.float32)
+            acc += tl.fma(_byte(v1, base, b, ASM), scale, -shift) * tl.load(xb + 8 * b + 4).to(tl.float32)
+    return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+
+
+@triton.jit
+def _rounded(v, DT: tl.constexpr):
+    """fp32 v rounded (to nearest even) to DT, held as fp32 (bfloat16 on the bits: `gemv._rounded`)."""
+    if DT == tl.bfloat16:
+        u = v.to(tl.int32, bitcast=True)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    elif DT == tl.float16:
+        return v.to(tl.float16).to(tl.float32)
+    else:
+        return v
+
+
+@triton.jit
+def _store(optr, v, rows, N):
+    """out[rows] = v, rounded once to out's element type (bfloat16 to nearest even on the bits)."""
+    dt: tl.constexpr = optr.dtype.element_ty
+    if dt == tl.bfloat16:
+        v = (_rounded(v, dt).to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        v = v.to(dt)
+    tl.store(optr + rows, v, mask=rows < N)
+
+
+@triton.jit(do_not_specialize=["D_STRIDE"])
+def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, N, g_row_stride, u_row_stride, g_slot_stride, u_slot_stride,
+               x_slot_stride, out_slot_stride, BASE, X_ROW_STRIDE, D_STRIDE,
+               KIND: tl.constexpr, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr, GLU: tl.constexpr,
+               HAS_IDS: tl.constexpr, ASM: tl.constexpr, GDC: tl.constexpr = False):
+    """out[slot, rows] = W[slot's matrix][rows] . x[slot], or with GLU act(G . x) * (U . x), for one token.
+
+    Program (i, slot): BR rows of the matrix of `slot` (expert ids[slot] when HAS_IDS), or with GLU BR / 2 rows of
+    the gate matrix and the same rows of the up matrix in one tile. Rows past N are clamped to N - 1 and not
+    stored. Byte strides; every row starts 16-byte aligned (the launcher checks). X_ROW_STRIDE is 0: x is
+    addressed per tile row so its loads take the weight words' thread layout (one row per thread, so no load is
+    repeated). With GDC (PDL) the first chunk's words are in flight before the wait, unless the matrix depends
+    on the expert ids."""
+    pdl.started(GDC)
+    if HAS_IDS:
+        pdl.wait(GDC)
+    pid = tl.program_id(0)
+    slot = tl.program_id(1).to(tl.int64)
+    if HAS_IDS:
+        mat = tl.load(ids_ptr + slot).to(tl.int64)
+    else:
+        mat = slot * 0
+    r = tl.arange(0, BR)
+    if GLU:
+        HB: tl.constexpr = BR // 2
+        rows_c = tl.minimum(pid * HB + r % HB, N - 1).to(tl.int64)
+        rp = tl.where(r < HB, g_ptr + mat * g_slot_stride + rows_c * g_row_stride,
+                      u_ptr + mat * u_slot_stride + rows_c * u_row_stride)
+    else:
+        rows_c = tl.minimum(pid * BR + r, N - 1).to(tl.int64)
+        rp = g_ptr + mat * g_slot_stride + rows_c * g_row_stride
+    rp = tl.multiple_of(rp, 16)
+    xp = (x_ptr + slot * x_slot_stride + r * X_ROW_STRIDE)[:, None, None, None]
+    if KIND == "Q4_K_R":
+        res = _q4_k_r_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, NCH, SBC, BR, ASM,
+                           GDC and not HAS_IDS)
+    else:
+        res = _q8_0_r_rows(rp, xp, tl.full([BR, SBC, 8, 4], 0, tl.int32) + BASE, D_STRIDE, NCH, SBC, BR, ASM,
+                           GDC and not HAS_IDS)
+    optr = out_ptr + slot * out_slot_stride
+    if GLU:
+        g, u = tl.split(tl.permute(tl.reshape(res, [2, BR // 2]), (1, 0)))
+        dt: tl.constexpr = out_ptr.dtype.element_ty
+        g = _rounded(g, dt)
+        y = _rounded(g / (1.0 + tl.exp(-g)), dt) * _rounded(u, dt)  # torch's silu, rounded as the model rounds
+        _store(optr, y, pid * (BR // 2) + tl.arange(0, BR // 2), N)
+    else:
+        _store(optr, res, pid * BR + r, N)
+
+
+def launch_shape(kind: str, n_chunks: int) -> tuple[int, int, int]:
+    """(rows per program, chunks per loop step, warps) of a launch: one row per thread, 4 threads per chunk step
+    along the rows of a warp (8 for Q4_K_R rows of an odd super-block count, one per step). The fastest of
+    bench/results/2026-12-04-h200-gemv-rr-lab.json: 2 warps of Q4_K_R (8 rows), 1 warp of Q8_0_R (4 rows)."""
+    if kind == "Q4_K_R":
+        return (8, 2, 2) if n_chunks % 2 == 0 else (16, 1, 2)
+    return 4, 1, 1
+
+
+def _aligned(*vals: int) -> bool:
+    return all(v % 16 == 0 for v in vals)
+
+
+def covers(kind: str, n_tok: int, w: torch.Tensor, up: torch.Tensor | None = None, strides: tuple[int, ...] = (),
+           ) -> bool:
+    """Whether this kernel takes a launch: a row-register type, one token, rows 16-byte aligned."""
+    if kind not in ROW_REGISTER_TYPES or n_tok != 1 or w.dtype != torch.uint8:
+        return False
+    ptrs = [w.data_ptr(), w.stride(-2)] + ([up.data_ptr(), up.stride(-2)] if up is not None else [])
+    return _aligned(*ptrs, *strides)
+
+
+def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None, out: torch.Tensor, n: int,
+           k: int, slots: int, w_slot_stride: int, x_slot_stride: int, out_slot_stride: int,
+           up: torch.Tensor | None = None, up_slot_stride: int = 0, gdc: dict | None = None) -> None:
+    """One launch over `slots` matrices (by `ids` when given) of n rows of k weights; `up` makes it the GLU
+    (w is then the gate). Strides in elements of each tensor (bytes for the weights). The caller checked
+    `covers`."""
+    n_chunks = k // 256
+    br, sbc, warps = launch_shape(kind, n_chunks)
+    glu = up is not None
+    rows = br // 2 if glu else br
+    u = up if glu else w
+    grid = (triton.cdiv(n, rows), slots)
+    _rr_kernel[grid](
+        x, w, u, ids if ids is not None else w, out, n, w.stride(-2), u.stride(-2), w_slot_stride,
+        up_slot_stride if glu else w_slot_stride, x_slot_stride, out_slot_stride, _BASE[kind], 0, 1,
+        KIND=kind, NCH=n_chunks, SBC=sbc, BR=br, GLU=glu, HAS_IDS=ids is not None, ASM=x.device.type == "cuda",
+        num_warps=warps, **(gdc or {}))

@@ -1,0 +1,163 @@
+"""The row-register GEMV (strata.kernels.gemv_rr) and its layouts, Q4_K_R and Q8_0_R, on the CPU under Triton's
+interpreter, against "dequantize the ggml blocks, then x @ W^T in float64".
+
+The layouts are checked against the ggml types they are made from (`repack.reorder_*`: the same weights), the
+kernel against the reference at the tolerance of tests/test_kernels_gemv.py (RTOL of sum |w x| per output): plain,
+by expert id (one x for every slot, or one per slot), gate/up GLU of one matrix pair and of the routed experts,
+fp32 and bf16 outputs (bf16: the fp32 result rounded once), partial row tiles and both chunk steps of Q4_K_R (an
+even and an odd super-block count). Each launch is checked to have gone through `gemv_rr` (the launcher sends one
+token of these types there), and every output starts as NaN so an unwritten one fails. Under the interpreter the
+byte permute is the shift-and-mask twin; the PRMT form runs on the GPU (tools/gpu_check_gemv.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.test_kernels_gemv import RTOL, G, _rr, random_blocks, zlib_seed
+from strata.weights import quants, repack
+
+KINDS = {"Q4_K_R": ("Q4_K", repack.reorder_q4_k), "Q8_0_R": ("Q8_0", repack.reorder_q8_0)}
+
+
+def ggml_rows(kind: str, rows: int, k: int, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows stored in `kind`, their float64 weights decoded from the ggml rows they were made from)."""
+    src, reorder = KINDS[kind]
+    raw = random_blocks(src, rows, k, rng)
+    return reorder(raw, k).contiguous(), quants.dequantize(raw, G.gemv_type(src).type_id, k).double()
+
+
+@pytest.fixture
+def rr_calls(monkeypatch) -> list[str]:
+    """The kinds of every launch that went through the row-register kernel."""
+    calls: list[str] = []
+    real = _rr.launch
+
+    def spy(kind, *a, **kw):
+        calls.append(kind)
+        return real(kind, *a, **kw)
+    monkeypatch.setattr(_rr, "launch", spy)
+    return calls
+
+
+def check(y: torch.Tensor, want: torch.Tensor, bound: torch.Tensor) -> None:
+    assert not torch.isnan(y).any(), "an output was not written"
+    err = ((y.double() - want).abs() / bound).max().item()
+    assert err <= RTOL, f"max relative error {err:.3e} > {RTOL}"
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_layouts_hold_the_ggml_weights(kind: str) -> None:
+    rng = np.random.default_rng(zlib_seed(kind))
+    stored, ref = ggml_rows(kind, 5, 768, rng)
+    assert stored.shape == (5, 768 // 256 * G.gemv_type(kind).block_bytes)
+    assert torch.equal(quants.dequantize(stored, G.gemv_type(kind).type_id, 768).double(), ref)
+
+
+@pytest.mark.parametrize("kind,k", [("Q4_K_R", 512), ("Q4_K_R", 768), ("Q8_0_R", 512), ("Q8_0_R", 768)])
+def test_plain(kind: str, k: int, rr_calls) -> None:
+    rng = np.random.default_rng(zlib_seed(kind) + k)
+    w, ref = ggml_rows(kind, 21, k, rng)  # partial row tiles at 4, 8 and 16 rows per program
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k))
+    out = torch.full((1, 21), float("nan"))
+    y = G.gemv(x, w, kind, k, out=out)
+    check(y, x.double() @ ref.T, x.double().abs() @ ref.abs().T)
+    yb = G.gemv(x, w, kind, k, out_dtype=torch.bfloat16)
+    assert torch.equal(yb, y.to(torch.bfloat16))
+    assert rr_calls == [kind, kind]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_experts(kind: str, rr_calls) -> None:
+    rng = np.random.default_rng(zlib_seed(kind) + 1)
+    k = 512
+    mats = [ggml_rows(kind, 10, k, rng) for _ in range(3)]
+    st = torch.stack([m[0] for m in mats])
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.tensor([2, 0, 2], dtype=torch.int32)
+    for x in (torch.randn(1, k, generator=gen), torch.randn(3, k, generator=gen)):
+        out = torch.full((3, 10), float("nan"))
+        G.gemv_experts(x, st, ids, kind, k, out=out)
+        for s, e in enumerate(ids.tolist()):
+            xs = x[s if x.shape[0] > 1 else 0].double()
+            check(out[s], xs @ mats[e][1].T, xs.abs() @ mats[e][1].abs().T)
+    assert rr_calls == [kind, kind]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_glu(kind: str, rr_calls) -> None:
+    """One pair (`gemv_glu`) and the routed experts' pairs (`gemv_experts_glu`); fp32 outputs against float64
+    (silu' < 1.1 carries the bound), bf16 outputs against the fp32 ones rounded as the model rounds."""
+    rng = np.random.default_rng(zlib_seed(kind) + 2)
+    k = 768
+    gate = [ggml_rows(kind, 9, k, rng) for _ in range(3)]
+    up = [ggml_rows(kind, 9, k, rng) for _ in range(3)]
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(6)) * 0.05
+
+    def want(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g, u = x.double() @ gate[e][1].T, x.double() @ up[e][1].T
+        gb, ub = x.double().abs() @ gate[e][1].abs().T, x.double().abs() @ up[e][1].abs().T
+        return (F.silu(g) * u)[0], (1.1 * gb * (u.abs() + ub) + F.silu(g).abs() * ub)[0]
+
+    out = torch.full((1, 9), float("nan"))
+    G.gemv_glu(x, gate[0][0], up[0][0], kind, k, out=out)
+    check(out[0], *want(0))
+    ids = torch.tensor([1, 2, 1])
+    gs, us = torch.stack([g[0] for g in gate]), torch.stack([u[0] for u in up])
+    outs = torch.full((3, 9), float("nan"))
+    G.gemv_experts_glu(x, gs, us, ids, kind, k, out=outs)
+    for s, e in enumerate(ids.tolist()):
+        check(outs[s], *want(e))
+    ob = G.gemv_experts_glu(x, gs, us, ids, kind, k, out_dtype=torch.bfloat16)
+    # bf16: the same products rounded (g, silu(g), u and the product each to bf16: a few bf16 ulps at most)
+    assert ((ob.float() - outs).abs() <= 2.0 ** -6 * outs.abs() + 1e-6 * outs.abs().max()).all()
+    assert rr_calls == [kind] * 3
+
+
+def test_other_launches_take_the_generic_kernel(rr_calls) -> None:
+    """Several tokens, summed slots and explicit launch shapes of these types go to the generic skeleton (its
+    decoders are tested in tests/test_kernels_gemv.py); so does a row start that is not 16-byte aligned."""
+    rng = np.random.default_rng(3)
+    k = 512
+    w, ref = ggml_rows("Q4_K_R", 8, k, rng)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(3))
+    check(G.gemv(x, w, "Q4_K_R", k), x.double() @ ref.T, x.double().abs() @ ref.abs().T)
+    check(G.gemv(x[:1], w, "Q4_K_R", k, block_n=4), x[:1].double() @ ref.T, x[:1].double().abs() @ ref.abs().T)
+    buf = torch.empty(w.numel() + 1, dtype=torch.uint8)
+    shifted = buf[1:].view(w.shape)
+    shifted.copy_(w)
+    check(G.gemv(x[:1], shifted, "Q4_K_R", k), x[:1].double() @ ref.T, x[:1].double().abs() @ ref.abs().T)
+    st = torch.stack([w, w])
+    y = G.gemv_experts_sum(x[:1], st, torch.tensor([0, 1]), torch.tensor([0.25, 0.75]), "Q4_K_R", k)
+    check(y, x[:1].double() @ ref.T, x[:1].double().abs() @ ref.abs().T)
+    assert rr_calls == []
+
+
+def test_launch_shapes_keep_one_row_per_thread() -> None:
+    """Rows per program = rows a warp's threads cover per chunk step x warps (Q4_K_R: 4 per step of 2
+    super-blocks, 8 per step of 1; Q8_0_R: 4), so x is never loaded twice by one thread."""
+    for n_chunks in (1, 2, 3, 10):
+        br, sbc, warps = _rr.launch_shape("Q4_K_R", n_chunks)
+        assert n_chunks % sbc == 0 and br == (4 if sbc == 2 else 8) * warps
+        br, sbc, warps = _rr.launch_shape("Q8_0_R", n_chunks)
+        assert sbc == 1 and br == 4 * warps
+
+
+def test_gpu_layout_word_orders_the_gate_and_up_expert_stacks() -> None:
+    """`placement.word_ordered` stores Q4_K gate/up expert stacks as Q4_K_R (the same weights); down stacks,
+    2-D matrices and other types stay as they were."""
+    from strata.runtime import placement
+    from strata.weights.quant_tensor import QuantTensor
+
+    rng = np.random.default_rng(4)
+    raw = torch.stack([random_blocks("Q4_K", 3, 512, rng) for _ in range(2)])
+    gate = QuantTensor("L0.moe.gate_exps", raw, 12, (2, 3, 512))
+    placed = placement.word_ordered(gate.name, gate)
+    assert placed.kind == "Q4_K_R" and torch.equal(placed.dense(), gate.dense())
+    down = QuantTensor("L0.moe.down_exps", raw, 12, (2, 3, 512))
+    matrix = QuantTensor("L0.moe.up_exps", raw[0], 12, (3, 512))
+    q8 = QuantTensor("L0.moe.up_exps", torch.stack([random_blocks("Q8_0", 3, 512, rng)] * 2), 8, (2, 3, 512))
+    assert all(placement.word_ordered(t.name, t) is t for t in (down, matrix, q8))
