@@ -56,12 +56,13 @@ def zlib_seed(name: str) -> int:
     return zlib.crc32(name.encode())
 
 QUANT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_0_R8", "IQ4_NL", "Q2_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-               "Q6_K_P", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS", "Q8_0_R", "Q4_K_R"]
+               "Q6_K_P", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS", "Q8_0_R", "Q4_K_R",
+               "Q5_1_R"]
 DENSE_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 def k_for(name: str) -> int:
-    """A small K: 10 blocks of 32 (chunks of 2 blocks), 5 of 64, or 2 super-blocks of 256."""
-    return {32: 320, 64: 320, 256: 512}[G.gemv_type(name).block_elems]
+    """A small K: 10 blocks of 32 (chunks of 2 blocks), 5 of 64, 5 groups of 128 or 2 super-blocks of 256."""
+    return {32: 320, 64: 320, 128: 640, 256: 512}[G.gemv_type(name).block_elems]
 
 
 def random_blocks(name: str, rows: int, k: int, rng: np.random.Generator) -> torch.Tensor:
@@ -262,7 +263,7 @@ def test_split_k_is_lowered_to_a_divisor_of_the_chunks() -> None:
 
 
 @pytest.mark.parametrize("name", ["IQ4_NL", "Q8_0", "Q5_1", "Q4_K", "Q6_K", "IQ4_XS", "Q8_0_R8", "Q6_K_P", "Q8_0_R",
-                                  "Q4_K_R"])
+                                  "Q4_K_R", "Q5_1_R"])
 def test_dequantize_rows_matches_the_reference_decoder(name: str) -> None:
     """5 stored rows (three programs of 2, the last partial) decoded to fp32 equal quants.dequantize to fp32
     rounding (the decoders form d*sc first), and to bf16 they round to the same value but where the two fp32

@@ -5,7 +5,7 @@ The layouts are checked against the ggml types they are made from (`repack.reord
 kernel against the reference at the tolerance of tests/test_kernels_gemv.py (RTOL of sum |w x| per output): plain,
 by expert id (one x for every slot, or one per slot), gate/up GLU of one matrix pair and of the routed experts,
 fp32 and bf16 outputs (bf16: the fp32 result rounded once), partial row tiles and both chunk steps of Q4_K_R (an
-even and an odd super-block count). Each launch is checked to have gone through `gemv_rr` (the launcher sends one
+even and an odd super-block count), the routed experts' weighted slot sum and K split over programs. Each launch is checked to have gone through `gemv_rr` (the launcher sends one
 token of these types there), and every output starts as NaN so an unwritten one fails. Under the interpreter the
 byte permute is the shift-and-mask twin; the PRMT form runs on the GPU (tools/gpu_check_gemv.py).
 """
@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from tests.test_kernels_gemv import RTOL, G, _rr, random_blocks, zlib_seed
 from strata.weights import quants, repack
 
-KINDS = {"Q4_K_R": ("Q4_K", repack.reorder_q4_k), "Q8_0_R": ("Q8_0", repack.reorder_q8_0)}
+KINDS = {"Q4_K_R": ("Q4_K", repack.reorder_q4_k), "Q8_0_R": ("Q8_0", repack.reorder_q8_0),
+         "Q5_1_R": ("Q5_1", repack.reorder_q5_1)}
 
 
 def ggml_rows(kind: str, rows: int, k: int, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,11 +54,12 @@ def check(y: torch.Tensor, want: torch.Tensor, bound: torch.Tensor) -> None:
 def test_layouts_hold_the_ggml_weights(kind: str) -> None:
     rng = np.random.default_rng(zlib_seed(kind))
     stored, ref = ggml_rows(kind, 5, 768, rng)
-    assert stored.shape == (5, 768 // 256 * G.gemv_type(kind).block_bytes)
+    assert stored.shape == (5, 768 // G.gemv_type(kind).block_elems * G.gemv_type(kind).block_bytes)
     assert torch.equal(quants.dequantize(stored, G.gemv_type(kind).type_id, 768).double(), ref)
 
 
-@pytest.mark.parametrize("kind,k", [("Q4_K_R", 512), ("Q4_K_R", 768), ("Q8_0_R", 512), ("Q8_0_R", 768)])
+@pytest.mark.parametrize("kind,k", [("Q4_K_R", 512), ("Q4_K_R", 768), ("Q8_0_R", 512), ("Q8_0_R", 768),
+                                    ("Q5_1_R", 640), ("Q5_1_R", 384)])
 def test_plain(kind: str, k: int, rr_calls) -> None:
     rng = np.random.default_rng(zlib_seed(kind) + k)
     w, ref = ggml_rows(kind, 21, k, rng)  # partial row tiles at 4, 8 and 16 rows per program
@@ -118,8 +120,8 @@ def test_glu(kind: str, rr_calls) -> None:
 
 
 def test_other_launches_take_the_generic_kernel(rr_calls) -> None:
-    """Several tokens, summed slots and explicit launch shapes of these types go to the generic skeleton (its
-    decoders are tested in tests/test_kernels_gemv.py); so does a row start that is not 16-byte aligned."""
+    """Several tokens and explicit launch shapes of these types go to the generic skeleton (its decoders are
+    tested in tests/test_kernels_gemv.py); so does a row start that is not 16-byte aligned."""
     rng = np.random.default_rng(3)
     k = 512
     w, ref = ggml_rows("Q4_K_R", 8, k, rng)
@@ -130,34 +132,80 @@ def test_other_launches_take_the_generic_kernel(rr_calls) -> None:
     shifted = buf[1:].view(w.shape)
     shifted.copy_(w)
     check(G.gemv(x[:1], shifted, "Q4_K_R", k), x[:1].double() @ ref.T, x[:1].double().abs() @ ref.abs().T)
-    st = torch.stack([w, w])
-    y = G.gemv_experts_sum(x[:1], st, torch.tensor([0, 1]), torch.tensor([0.25, 0.75]), "Q4_K_R", k)
-    check(y, x[:1].double() @ ref.T, x[:1].double().abs() @ ref.abs().T)
     assert rr_calls == []
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_slot_sum(kind: str, rr_calls) -> None:
+    """`gemv_experts_sum`: the routed experts' down projections and their weighted sum in one launch (the slots'
+    products added in slot order by the last program of each row tile); the ticket counters end at 0."""
+    rng = np.random.default_rng(zlib_seed(kind) + 7)
+    k = 512
+    mats = [ggml_rows(kind, 11, k, rng) for _ in range(3)]
+    st = torch.stack([m[0] for m in mats])
+    ids = torch.tensor([2, 0, 2, 1])
+    sw = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(8))
+    out = torch.full((1, 11), float("nan"))
+    G.gemv_experts_sum(x, st, ids, sw, kind, k, out=out)
+    want = sum(float(sw[s]) * (x[s].double() @ mats[e][1].T) for s, e in enumerate(ids.tolist()))
+    bound = sum(float(sw[s]) * (x[s].double().abs() @ mats[e][1].abs().T) for s, e in enumerate(ids.tolist()))
+    check(out[0], want, bound)
+    assert rr_calls == [kind]
+    assert all(int(c.abs().sum()) == 0 for c in G._counters.values())
+
+
+@pytest.mark.parametrize("kind,k", [("Q4_K_R", 2048), ("Q8_0_R", 2048), ("Q5_1_R", 1024)])
+def test_k_split(kind: str, k: int, rr_calls) -> None:
+    """Few row tiles over long rows split K (`launch_shape`, and `split_k` given); plain and GLU launches agree
+    with the reference and put every ticket back."""
+    rng = np.random.default_rng(zlib_seed(kind) + 9)
+    n_chunks = k // _rr.CHUNK[kind][0]
+    assert _rr.launch_shape(kind, n_chunks, 4)[3] > 1
+    (w, ref), (u, uref) = ggml_rows(kind, 6, k, rng), ggml_rows(kind, 6, k, rng)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(9)) * 0.05
+    for sk in (None, 2):
+        out = torch.full((1, 6), float("nan"))
+        check(G.gemv(x, w, kind, k, out=out, split_k=sk), x.double() @ ref.T, x.double().abs() @ ref.abs().T)
+        glu = G.gemv_glu(x, w, u, kind, k, split_k=sk)
+        g, uu = x.double() @ ref.T, x.double() @ uref.T
+        assert (glu.double() - F.silu(g) * uu).abs().max() <= 1e-5 * (F.silu(g) * uu).abs().max()
+    assert rr_calls == [kind] * 4
+    assert all(int(c.abs().sum()) == 0 for c in G._counters.values())
 
 
 def test_launch_shapes_keep_one_row_per_thread() -> None:
     """Rows per program = rows a warp's threads cover per chunk step x warps (Q4_K_R: 4 per step of 2
-    super-blocks, 8 per step of 1; Q8_0_R: 4), so x is never loaded twice by one thread."""
-    for n_chunks in (1, 2, 3, 10):
-        br, sbc, warps = _rr.launch_shape("Q4_K_R", n_chunks)
-        assert n_chunks % sbc == 0 and br == (4 if sbc == 2 else 8) * warps
-        br, sbc, warps = _rr.launch_shape("Q8_0_R", n_chunks)
-        assert sbc == 1 and br == 4 * warps
+    super-blocks, 8 per step of 1; Q8_0_R: 4; Q5_1_R: 8), so x is never loaded twice by one thread; a K split
+    divides the chunks into runs of whole steps."""
+    for n_chunks in (1, 2, 3, 5, 10, 24, 64):
+        for tiles in (1, 100, 10_000):
+            br, sbc, warps, split = _rr.launch_shape("Q4_K_R", n_chunks, tiles)
+            assert br == (4 if sbc == 2 else 8) * warps and n_chunks % (sbc * split) == 0
+            br, sbc, warps, split = _rr.launch_shape("Q8_0_R", n_chunks, tiles)
+            assert sbc == 1 and br == 4 * warps and n_chunks % split == 0
+            br, sbc, warps, split = _rr.launch_shape("Q5_1_R", n_chunks, tiles)
+            assert sbc == 1 and br == 8 * warps and n_chunks % split == 0
+            assert tiles < _rr.SPLIT_MIN_PROGRAMS or split == 1
 
 
-def test_gpu_layout_word_orders_the_gate_and_up_expert_stacks() -> None:
-    """`placement.word_ordered` stores Q4_K gate/up expert stacks as Q4_K_R (the same weights); down stacks,
-    2-D matrices and other types stay as they were."""
+def test_gpu_layout_word_orders_expert_stacks_and_q8_0_matrices() -> None:
+    """`placement.word_ordered` stores Q4_K and Q5_1 expert stacks as Q4_K_R / Q5_1_R and 2-D Q8_0 matrices as
+    Q8_0_R (the same weights); 2-D Q4_K matrices, Q8_0 rows of a length that is no multiple of 256 and other
+    tensors stay as they were."""
     from strata.runtime import placement
     from strata.weights.quant_tensor import QuantTensor
 
     rng = np.random.default_rng(4)
     raw = torch.stack([random_blocks("Q4_K", 3, 512, rng) for _ in range(2)])
-    gate = QuantTensor("L0.moe.gate_exps", raw, 12, (2, 3, 512))
-    placed = placement.word_ordered(gate.name, gate)
-    assert placed.kind == "Q4_K_R" and torch.equal(placed.dense(), gate.dense())
-    down = QuantTensor("L0.moe.down_exps", raw, 12, (2, 3, 512))
-    matrix = QuantTensor("L0.moe.up_exps", raw[0], 12, (3, 512))
-    q8 = QuantTensor("L0.moe.up_exps", torch.stack([random_blocks("Q8_0", 3, 512, rng)] * 2), 8, (2, 3, 512))
-    assert all(placement.word_ordered(t.name, t) is t for t in (down, matrix, q8))
+    q51 = torch.stack([random_blocks("Q5_1", 3, 640, rng) for _ in range(2)])
+    cases = [(QuantTensor("L0.moe.gate_exps", raw, 12, (2, 3, 512)), "Q4_K_R"),
+             (QuantTensor("L0.moe.down_exps", q51, 7, (2, 3, 640)), "Q5_1_R"),
+             (QuantTensor("L0.gdn.out", random_blocks("Q8_0", 3, 512, rng), 8, (3, 512)), "Q8_0_R")]
+    for t, kind in cases:
+        placed = placement.word_ordered(t.name, t)
+        assert placed.kind == kind and torch.equal(placed.dense(), t.dense())
+    same = [QuantTensor("L0.moe.up_exps", raw[0], 12, (3, 512)),
+            QuantTensor("L0.moe.sh_down", random_blocks("Q8_0", 3, 640, rng), 8, (3, 640)),
+            QuantTensor("L0.attn.o", random_blocks("Q5_1", 3, 640, rng), 7, (3, 640))]
+    assert all(placement.word_ordered(t.name, t) is t for t in same)

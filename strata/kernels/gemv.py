@@ -138,6 +138,7 @@ _TYPE_LIST: tuple[GemvType, ...] = (
              unpack=gb.unpack_q6_k_p),
     GemvType("Q8_0_R", 1009, 256, 272, gb.decode_q8_0_r, 4, 1, block_n=4, f16_fields=tuple(range(0, 16, 2))),
     GemvType("Q4_K_R", 1012, 256, 144, gb.decode_q4_k_r, 5, 1, block_n=8, num_warps=8, f16_fields=(0, 2)),
+    GemvType("Q5_1_R", 1007, 128, 96, gb.decode_q5_1_r, 5, 2, block_n=8, f16_fields=(0, 2, 4, 6, 8, 10, 12, 14)),
 )
 
 GEMV_TYPES: dict[int, GemvType] = {t.type_id: t for t in _TYPE_LIST}
@@ -687,10 +688,10 @@ def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | N
     out's one row."""
     if n == 0 or slots == 0 or n_tok == 0:
         return
-    if (slot_weights is None and (split_k or 1) <= 1 and block_n is None and num_warps is None
-            and gemv_rr.covers(t.name, n_tok, w, up, (w_slot_stride, up_slot_stride))):
-        gemv_rr.launch(t.name, x, w, ids, out, n, k, slots, w_slot_stride, x_slot_stride, out_slot_stride, up,
-                       up_slot_stride, pdl.launch(x.device))
+    if (block_n is None and num_warps is None
+            and gemv_rr.covers(t.name, n_tok, w, up, (w_slot_stride, up_slot_stride))
+            and _launch_rr(t, x, w, ids, out, n, k, slots, w_slot_stride, x_slot_stride, out_slot_stride, up,
+                           up_slot_stride, split_k, slot_weights)):
         return
     if t.small_form is not None and _small(t, n_tok, n * slots):
         t = t.small_form
@@ -727,6 +728,39 @@ def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | N
             x, w, up, ids, _table(t, w), out, part, cnt, n, n_chunks // sk,
             w.stride(-2), up.stride(-2), w_slot_stride, up_slot_stride, x.stride(0), x_slot_stride,
             out.stride(0), out_slot_stride, BN=bn, ACT=act, ALIGN=align, **consts)
+
+
+def _launch_rr(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None, out: torch.Tensor, n: int,
+               k: int, slots: int, w_slot_stride: int, x_slot_stride: int, out_slot_stride: int,
+               up: torch.Tensor | None, up_slot_stride: int, split_k: int | None,
+               slot_weights: torch.Tensor | None, shape: tuple[int, int, int, int] | None = None) -> bool:
+    """One launch of the row-register kernel (`gemv_rr`) in its `launch_shape` (or `shape`; `split_k` overrides
+    its K split): True, or False when it cannot take it (too many row tiles for the ticket counters), for the
+    generic kernel to run instead."""
+    n_chunks = k // gemv_rr.CHUNK[t.name][0]
+    glu = up is not None
+    br = (shape or gemv_rr.launch_shape(t.name, n_chunks))[0]
+    tiles = triton.cdiv(n, br // 2 if glu else br)
+    br, sbc, warps, split = shape or gemv_rr.launch_shape(t.name, n_chunks, tiles * slots)
+    if split_k is not None:
+        split = max(1, split_k)
+        while n_chunks % (split * sbc):
+            split -= 1
+    summed = slot_weights is not None
+    if summed:
+        split = 1
+    cnt = tickets(w.device) if split > 1 or summed else None
+    if (summed and (cnt is None or tiles > SPLIT_COUNTERS)) or tiles * slots > SPLIT_COUNTERS:
+        return False
+    if cnt is None:
+        split = 1
+        part = cnt = out  # unused
+    else:
+        part = torch.empty(tiles * (slots if summed else slots * split) * br, dtype=torch.float32, device=w.device)
+    gemv_rr.launch(t.name, x, w, ids, out, n, k, slots, w_slot_stride, x_slot_stride, out_slot_stride, up,
+                   up_slot_stride, (br, sbc, warps, split), _split_sum, part, cnt, slot_weights,
+                   pdl.launch(x.device))
+    return True
 
 
 def gemv(x: torch.Tensor, w_data: torch.Tensor, type_id: int | str, K: int, out: torch.Tensor | None = None,

@@ -651,6 +651,28 @@ def decode_q8_0_r(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
+def decode_q5_1_r(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """Q5_1_R (`strata.weights.repack`): groups of four Q5_1 blocks {(d, m)[4]; qh[4]; qs[4][16]} in word order,
+    byte by byte, for the launches the row-register GEMV does not take. NB groups per chunk.
+    [BN, NB, 4 = block, 16, 2 = nibble]."""
+    g = tl.arange(0, NB)
+    blk = tl.arange(0, 4)
+    j = tl.arange(0, 16)
+    gp = rp[:, None] + g[None, :] * 96
+    bp = gp[:, :, None] + 4 * blk[None, None, :]
+    d = _f16(bp)[:, :, :, None]
+    m = _f16(bp + 2)[:, :, :, None]
+    qh = _i32(bp + 16)[:, :, :, None]
+    qb = _u8((gp + 32)[:, :, None, None] + (blk[:, None] * 16 + j[None, :])[None, None, :, :])
+    b = (j % 4)[None, None, None, :]
+    w = (j // 4)[None, None, None, :]
+    lo = (qb & 15) | (((qh >> (8 * b + 4 + w)) & 1) << 4)
+    hi = (qb >> 4) | (((qh >> (8 * b + w)) & 1) << 4)
+    base = g[:, None, None] * 128 + blk[None, :, None] * 32 + (4 * (j % 4) + j // 4)[None, None, :]
+    return tl.join(_i2f(lo, 0.0) * d + m, _i2f(hi, 0.0) * d + m), tl.join(base, base + 16)
+
+
+@triton.jit
 def load_q6_k_p(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
     """The loads of `decode_q6_k_p`: ql as [BN, 4 = g, 8 = u] int32 words, qh as the same tile (word u of half
     g // 2, each loaded for both g of a half), the scale words of nibble 0 and 1 ([BN, 4, 1]) and the word of d."""

@@ -33,9 +33,9 @@ import triton.language as tl
 
 from strata.kernels import pdl
 
-ROW_REGISTER_TYPES = ("Q4_K_R", "Q8_0_R")
+ROW_REGISTER_TYPES = ("Q4_K_R", "Q8_0_R", "Q5_1_R")
 
-_BASE = {"Q4_K_R": 0x3F000000, "Q8_0_R": 0x3F800000}
+_BASE = {"Q4_K_R": 0x3F000000, "Q8_0_R": 0x3F800000, "Q5_1_R": 0x3F000000}
 """The fp32 bits each type's bytes are permuted into (see the module docstring)."""
 
 
@@ -178,6 +178,43 @@ def _q8_0_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, B
 
 
 @triton.jit
+def _q5_1_r_load(wp, g, blk, k, D_STRIDE):
+    """One chunk of Q5_1_R rows: block blk's 4 nibble words, its (d, m) word and its qh word, of groups g."""
+    gp = wp + g * 24
+    return tl.load(gp + 8 + blk * 4 + k), tl.load(gp + blk * D_STRIDE), tl.load(gp + 4 + blk * D_STRIDE)
+
+
+@triton.jit
+def _q5_1_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr,
+                 ASM: tl.constexpr, GDC: tl.constexpr):
+    """`_q4_k_r_rows` for Q5_1_R rows: NCH groups of 128 weights (four blocks; a thread takes one block's 16 nibble
+    bytes). The fifth bits land on bit 4 of each byte by one shift and one masked OR (`repack.py` placed them),
+    and w = d q + m = fma(0.5 + q / 256, 256 d, m - 128 d)."""
+    wp = rp.to(tl.pointer_type(tl.int32))[:, None, None, None]
+    s = tl.arange(0, SBC)[None, :, None, None]
+    blk = tl.arange(0, 4)[None, None, :, None]
+    k = tl.arange(0, 4)[None, None, None, :]
+    NIT: tl.constexpr = NCH // SBC
+    nxt = _q5_1_r_load(wp, s, blk, k, D_STRIDE)
+    pdl.wait(GDC)
+    acc = tl.zeros([BR, SBC, 4, 4], tl.float32)
+    for it in tl.range(0, NIT):
+        v, dmw, qh = nxt
+        nxt = _q5_1_r_load(wp, tl.minimum(it + 1, NIT - 1) * SBC + s, blk, k, D_STRIDE)
+        d = _f16_lo(dmw)
+        m = _f16_lo(dmw >> 16)
+        scale = 256.0 * d
+        shift = m - 128.0 * d
+        lo = (v & 0x0F0F0F0F) | ((qh >> k) & 0x10101010)
+        hi = ((v >> 4) & 0x0F0F0F0F) | ((qh << (4 - k)) & 0x10101010)
+        xb = xp + (it * SBC + s) * 128 + blk * 32 + k
+        for b in tl.static_range(4):
+            acc += tl.fma(_nibble(lo, base, b, ASM), scale, shift) * tl.load(xb + 4 * b).to(tl.float32)
+            acc += tl.fma(_nibble(hi, base, b, ASM), scale, shift) * tl.load(xb + 16 + 4 * b).to(tl.float32)
+    return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+
+
+@triton.jit
 def _rounded(v, DT: tl.constexpr):
     """fp32 v rounded (to nearest even) to DT, held as fp32 (bfloat16 on the bits: `gemv._rounded`)."""
     if DT == tl.bfloat16:
@@ -201,23 +238,33 @@ def _store(optr, v, rows, N):
 
 
 @triton.jit(do_not_specialize=["D_STRIDE"])
-def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, N, g_row_stride, u_row_stride, g_slot_stride, u_slot_stride,
-               x_slot_stride, out_slot_stride, BASE, X_ROW_STRIDE, D_STRIDE,
+def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr, N, g_row_stride, u_row_stride,
+               g_slot_stride, u_slot_stride, x_slot_stride, out_slot_stride, BASE, X_ROW_STRIDE, D_STRIDE,
                KIND: tl.constexpr, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr, GLU: tl.constexpr,
-               HAS_IDS: tl.constexpr, ASM: tl.constexpr, GDC: tl.constexpr = False):
+               HAS_IDS: tl.constexpr, ASM: tl.constexpr, SPLIT_SUM: tl.constexpr, SPLIT: tl.constexpr = 1,
+               SLOT_SUM: tl.constexpr = 0, GDC: tl.constexpr = False):
     """out[slot, rows] = W[slot's matrix][rows] . x[slot], or with GLU act(G . x) * (U . x), for one token.
 
-    Program (i, slot): BR rows of the matrix of `slot` (expert ids[slot] when HAS_IDS), or with GLU BR / 2 rows of
-    the gate matrix and the same rows of the up matrix in one tile. Rows past N are clamped to N - 1 and not
-    stored. Byte strides; every row starts 16-byte aligned (the launcher checks). X_ROW_STRIDE is 0: x is
-    addressed per tile row so its loads take the weight words' thread layout (one row per thread, so no load is
-    repeated). With GDC (PDL) the first chunk's words are in flight before the wait, unless the matrix depends
-    on the expert ids."""
-    pdl.started(GDC)
+    Program (i, slot, s): BR rows of the matrix of `slot` (expert ids[slot] when HAS_IDS), or with GLU BR / 2 rows
+    of the gate matrix and the same rows of the up matrix in one tile, over the s-th of SPLIT equal runs of the
+    row's NCH chunks. Rows past N are clamped to N - 1 and not stored. Byte strides; every row starts 16-byte
+    aligned (the launcher checks). X_ROW_STRIDE is 0: x is addressed per tile row so its loads take the weight
+    words' thread layout (one row per thread, so no load is repeated). With GDC (PDL) the first chunk's words are
+    in flight before the wait, unless the matrix depends on the expert ids.
+
+    SPLIT > 1: the SPLIT partial sums of a row tile are added in program order by the last program to finish
+    (SPLIT_SUM, `gemv._split_sum`: ticket counters, no atomics on the sums). SLOT_SUM = k > 0 (no split): out[0,
+    rows] = sum over the k slots in order of sw[slot] * (the slot's product), by the same tickets over the slots:
+    the routed experts' down projections and their weighted sum in one launch.
+
+    PDL: the next kernel is let in only once every program is past its K loop (`pdl.started` there, not first):
+    launched early, its programs would hold SM slots that this kernel's waves need (Q4_K_R 10240 x 2560 11.3 us
+    without PDL, 15.8 with `started` first; H200)."""
     if HAS_IDS:
         pdl.wait(GDC)
     pid = tl.program_id(0)
     slot = tl.program_id(1).to(tl.int64)
+    part = tl.program_id(2)
     if HAS_IDS:
         mat = tl.load(ids_ptr + slot).to(tl.int64)
     else:
@@ -231,36 +278,74 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, N, g_row_stride, u_row_str
     else:
         rows_c = tl.minimum(pid * BR + r, N - 1).to(tl.int64)
         rp = g_ptr + mat * g_slot_stride + rows_c * g_row_stride
-    rp = tl.multiple_of(rp, 16)
-    xp = (x_ptr + slot * x_slot_stride + r * X_ROW_STRIDE)[:, None, None, None]
+    NC: tl.constexpr = NCH // SPLIT
     if KIND == "Q4_K_R":
-        res = _q4_k_r_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, NCH, SBC, BR, ASM,
+        CB: tl.constexpr = 144
+        CE: tl.constexpr = 256
+    elif KIND == "Q8_0_R":
+        CB: tl.constexpr = 272
+        CE: tl.constexpr = 256
+    else:
+        CB: tl.constexpr = 96
+        CE: tl.constexpr = 128
+    rp = tl.multiple_of(rp + part * (NC * CB), 16)
+    xp = (x_ptr + slot * x_slot_stride + part * (NC * CE) + r * X_ROW_STRIDE)[:, None, None, None]
+    if KIND == "Q4_K_R":
+        res = _q4_k_r_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, NC, SBC, BR, ASM,
+                           GDC and not HAS_IDS)
+    elif KIND == "Q8_0_R":
+        res = _q8_0_r_rows(rp, xp, tl.full([BR, SBC, 8, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
                            GDC and not HAS_IDS)
     else:
-        res = _q8_0_r_rows(rp, xp, tl.full([BR, SBC, 8, 4], 0, tl.int32) + BASE, D_STRIDE, NCH, SBC, BR, ASM,
+        res = _q5_1_r_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
                            GDC and not HAS_IDS)
+    pdl.started(GDC)
+    last = 1
     optr = out_ptr + slot * out_slot_stride
+    if SLOT_SUM > 0:
+        res = res * tl.load(sw_ptr + slot).to(tl.float32)
+        res2, last = SPLIT_SUM(res[:, None], part_ptr + pid * (SLOT_SUM * BR), cnt_ptr + pid, slot, SLOT_SUM, BR, 1)
+        res = tl.sum(res2, axis=1)
+        optr = out_ptr
+    elif SPLIT > 1:
+        tile = slot * tl.num_programs(0) + pid
+        res2, last = SPLIT_SUM(res[:, None], part_ptr + tile * (SPLIT * BR), cnt_ptr + tile, part, SPLIT, BR, 1)
+        res = tl.sum(res2, axis=1)
     if GLU:
         g, u = tl.split(tl.permute(tl.reshape(res, [2, BR // 2]), (1, 0)))
         dt: tl.constexpr = out_ptr.dtype.element_ty
         g = _rounded(g, dt)
         y = _rounded(g / (1.0 + tl.exp(-g)), dt) * _rounded(u, dt)  # torch's silu, rounded as the model rounds
-        _store(optr, y, pid * (BR // 2) + tl.arange(0, BR // 2), N)
+        _store(optr, y, pid * (BR // 2) + tl.arange(0, BR // 2), N * last)
     else:
-        _store(optr, res, pid * BR + r, N)
+        _store(optr, res, pid * BR + r, N * last)
 
 
-def launch_shape(kind: str, n_chunks: int) -> tuple[int, int, int]:
-    """(rows per program, chunks per loop step, warps) of a launch: one row per thread, 4 threads per chunk step
-    along the rows of a warp (8 for Q4_K_R rows of an odd super-block count, one per step). The fastest of
-    bench/results/2026-12-04-h200-gemv-rr-lab.json: 2 warps of Q4_K_R (8 rows), 1 warp of Q8_0_R (4 rows)."""
+CHUNK = {"Q4_K_R": (256, 144), "Q8_0_R": (256, 272), "Q5_1_R": (128, 96)}
+"""(weights, bytes) of one loop chunk of each type: a super-block, or a group of 8 (Q8_0_R) or 4 (Q5_1_R)
+blocks."""
+
+
+def launch_shape(kind: str, n_chunks: int, tiles: int = 1 << 30) -> tuple[int, int, int, int]:
+    """(rows per program, chunks per loop step, warps, K split) of a launch of `tiles` row tiles (all slots) over
+    rows of n_chunks chunks. One row per thread: a warp covers 4 rows per step of 2 Q4_K_R super-blocks (8 per
+    step of one, for an odd count), 4 Q8_0_R rows, 8 Q5_1_R rows. The launches are latency-bound, so the K loop is
+    split over more programs when there are few row tiles and many chunks
+    (bench/results/2026-12-04-h200-gemv-rr-lab.json)."""
     if kind == "Q4_K_R":
-        return (8, 2, 2) if n_chunks % 2 == 0 else (16, 1, 2)
-    return 4, 1, 1
+        br, sbc, warps = (8, 2, 2) if n_chunks % 2 == 0 else (16, 1, 2)
+    elif kind == "Q8_0_R":
+        br, sbc, warps = 4, 1, 1
+    else:
+        br, sbc, warps = 8, 1, 1
+    split = 1
+    while tiles * split < SPLIT_MIN_PROGRAMS and n_chunks % (2 * split * sbc) == 0 and n_chunks // (2 * split) >= 4:
+        split *= 2
+    return br, sbc, warps, split
 
 
-def _aligned(*vals: int) -> bool:
-    return all(v % 16 == 0 for v in vals)
+SPLIT_MIN_PROGRAMS = 2048
+"""Programs below which `launch_shape` splits K (in halves, while each part keeps 4 chunks or more)."""
 
 
 def covers(kind: str, n_tok: int, w: torch.Tensor, up: torch.Tensor | None = None, strides: tuple[int, ...] = (),
@@ -269,23 +354,25 @@ def covers(kind: str, n_tok: int, w: torch.Tensor, up: torch.Tensor | None = Non
     if kind not in ROW_REGISTER_TYPES or n_tok != 1 or w.dtype != torch.uint8:
         return False
     ptrs = [w.data_ptr(), w.stride(-2)] + ([up.data_ptr(), up.stride(-2)] if up is not None else [])
-    return _aligned(*ptrs, *strides)
+    return all(v % 16 == 0 for v in (*ptrs, *strides))
 
 
 def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None, out: torch.Tensor, n: int,
            k: int, slots: int, w_slot_stride: int, x_slot_stride: int, out_slot_stride: int,
-           up: torch.Tensor | None = None, up_slot_stride: int = 0, gdc: dict | None = None) -> None:
-    """One launch over `slots` matrices (by `ids` when given) of n rows of k weights; `up` makes it the GLU
-    (w is then the gate). Strides in elements of each tensor (bytes for the weights). The caller checked
-    `covers`."""
-    n_chunks = k // 256
-    br, sbc, warps = launch_shape(kind, n_chunks)
+           up: torch.Tensor | None, up_slot_stride: int, shape: tuple[int, int, int, int], split_sum,
+           part: torch.Tensor, cnt: torch.Tensor, slot_weights: torch.Tensor | None, gdc: dict) -> None:
+    """One launch over `slots` matrices (by `ids` when given) of n rows of k weights, in `shape`
+    (`launch_shape`); `up` makes it the GLU (w is then the gate); `slot_weights` sums the slots into out's one row.
+    Strides in elements of each tensor (bytes for the weights). The caller (`gemv._launch`) checked `covers`
+    and gives the split-K scratch (`part`, `cnt`: tickets) and `gemv._split_sum`."""
+    br, sbc, warps, split = shape
     glu = up is not None
-    rows = br // 2 if glu else br
     u = up if glu else w
-    grid = (triton.cdiv(n, rows), slots)
+    grid = (triton.cdiv(n, br // 2 if glu else br), slots, split)
     _rr_kernel[grid](
-        x, w, u, ids if ids is not None else w, out, n, w.stride(-2), u.stride(-2), w_slot_stride,
-        up_slot_stride if glu else w_slot_stride, x_slot_stride, out_slot_stride, _BASE[kind], 0, 1,
-        KIND=kind, NCH=n_chunks, SBC=sbc, BR=br, GLU=glu, HAS_IDS=ids is not None, ASM=x.device.type == "cuda",
-        num_warps=warps, **(gdc or {}))
+        x, w, u, ids if ids is not None else w, out, part, cnt, slot_weights if slot_weights is not None else out, n,
+        w.stride(-2), u.stride(-2), w_slot_stride, up_slot_stride if glu else w_slot_stride, x_slot_stride,
+        out_slot_stride, _BASE[kind], 0, 1,
+        KIND=kind, NCH=k // CHUNK[kind][0], SBC=sbc, BR=br, GLU=glu, HAS_IDS=ids is not None,
+        ASM=x.device.type == "cuda", SPLIT_SUM=split_sum, SPLIT=split,
+        SLOT_SUM=slots if slot_weights is not None else 0, num_warps=warps, **gdc)

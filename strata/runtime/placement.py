@@ -15,7 +15,8 @@ import torch
 from strata.errors import StrataError
 from strata.model.ops import Ops
 from strata.weights.quant_tensor import QuantTensor
-from strata.weights.repack import Q4_K_ID, Q4_K_R_ID, Q6_K_ID, Q6_K_P_ID, pad_q6_k, reorder_q4_k, repack_rows
+from strata.weights.repack import (Q4_K_ID, Q4_K_R_ID, Q5_1_ID, Q5_1_R_ID, Q6_K_ID, Q6_K_P_ID, Q8_0_ID, Q8_0_R_ID,
+                                   pad_q6_k, reorder_q4_k, reorder_q5_1, reorder_q8_0, repack_rows)
 from strata.weights.schema import Weights
 from strata.weights.tensor import DenseTensor, StackedTensor, StoredTensor, raw_rows
 
@@ -30,15 +31,16 @@ runs the group as one GEMV (one launch instead of up to five)."""
 
 REPACK_MIN_ROWS_PER_K = 4
 """A fused group on a GPU is stored in its repacked layout (`strata.weights.repack`: Q8_0 -> Q8_0_R, Q4_K ->
-Q4_K_R) when it has at least this many rows per input column. The row-register GEMV of the repacked rows
-(`kernels/gemv_rr.py`) measured faster for tall matrices (Q8_0 16432 x 2560: 15.3 us against 18.8) and slower
-for short wide ones, where its K loop is long and its programs few (2560 x 6144: 12.4 us at best against 10.3;
-bench/results/2026-12-04-h200-gemv-rr-lab.json)."""
+Q4_K_R) when it has at least this many rows per input column (2-D Q8_0 matrices are word-ordered whatever their
+shape, `word_ordered`). The row-register GEMV (`kernels/gemv_rr.py`) measured faster for tall matrices (Q4_K
+10240 x 2560: 11.3 us against 15.5; Q8_0 16432 x 2560: 15.4 against 24.8) and even with the generic kernel for
+short wide Q8_0 ones once it splits K (2560 x 6144: 10.2-10.7 against 10.4; bench/results/2026-12-04-h200-gemv-rr-lab-*.json);
+short wide Q4_K groups were not measured."""
 
-WORD_ORDERED_STACKS = ("moe.gate_exps", "moe.up_exps")
-"""Expert stacks a GPU stores as Q4_K_R when they are Q4_K: the routed experts' gate/up GLU of one token is the
-row-register GEMV's (19.6 -> 13.4 us per layer at the real shape, H200). The down stacks stay as they are: their
-one-token launch also sums the slots, which only the generic kernel does."""
+WORD_ORDERED_STACKS = ("moe.gate_exps", "moe.up_exps", "moe.down_exps")
+"""Expert stacks a GPU stores word-ordered (Q4_K -> Q4_K_R, Q5_1 -> Q5_1_R) for the row-register GEMV: at the real
+shape the routed gate/up GLU 19.5 -> 13.7 us and the down projections with their slot sum (Q5_1) 12.6 -> 9.9 us
+per layer (H200, bench/results/2026-12-04-h200-gemv-rr-lab-*.json)."""
 
 
 def fuse_rows(parts: list[StoredTensor], repack: bool = False) -> list[StoredTensor]:
@@ -84,7 +86,7 @@ def place(w: Weights, device: torch.device | str) -> Weights:
 
 def gpu_layout(w: Weights) -> Weights:
     """The weight set in the layouts GPU placement stores (the tensors where they are): every 2-D Q6_K matrix
-    but the host-resident ones as Q6_K_P (`padded_matrix`), Q4_K gate/up expert stacks as Q4_K_R
+    but the host-resident ones as Q6_K_P (`padded_matrix`), expert stacks and Q8_0 matrices word-ordered
     (`word_ordered`), the FUSED_GROUPS back to back and repacked
     (`fuse_groups`). `place` ends with it, and the benchmark's synthetic model goes through it, so both run the
     same kernels on the same layouts."""
@@ -102,10 +104,18 @@ def padded_matrix(t: StoredTensor) -> StoredTensor:
 
 
 def word_ordered(name: str, t: StoredTensor) -> StoredTensor:
-    """A Q4_K expert stack of WORD_ORDERED_STACKS in the Q4_K_R layout, anything else unchanged. Same values."""
-    if (name.endswith(WORD_ORDERED_STACKS) and isinstance(t, QuantTensor) and t.type_id == Q4_K_ID
-            and len(t.shape) == 3):
-        return QuantTensor(t.name, reorder_q4_k(t.data, t.shape[-1]), Q4_K_R_ID, t.shape)
+    """A Q4_K or Q5_1 expert stack of WORD_ORDERED_STACKS in its word-ordered layout (Q4_K_R, Q5_1_R), and a
+    2-D Q8_0 matrix as Q8_0_R (the shared expert; the out projections); anything else unchanged. Same values."""
+    if not isinstance(t, QuantTensor):
+        return t
+    k = t.shape[-1]
+    if name.endswith(WORD_ORDERED_STACKS) and len(t.shape) == 3:
+        if t.type_id == Q4_K_ID:
+            return QuantTensor(t.name, reorder_q4_k(t.data, k), Q4_K_R_ID, t.shape)
+        if t.type_id == Q5_1_ID and k % 128 == 0:
+            return QuantTensor(t.name, reorder_q5_1(t.data, k), Q5_1_R_ID, t.shape)
+    if t.type_id == Q8_0_ID and len(t.shape) == 2 and k % 256 == 0:
+        return QuantTensor(t.name, reorder_q8_0(t.data, k), Q8_0_R_ID, t.shape)
     return t
 
 

@@ -18,7 +18,11 @@ Q4_K_R and Q8_0_R order each block's quants for the row-register GEMV (`strata.k
   nibbles unchanged): the low (high) nibble of byte b of word w is weight 64c + 8b + w (+ 32) of group c.
 * Q8_0_R: Q8_0_R8's groups {fp16 d[8]; q[8][32]} with every quant stored as q + 128 (an unsigned byte) and, in
   each block, byte 4w + b taken from byte 8b + w: byte b of word w is weight 8b + w of the block.
-Both keep the bytes and the size of their ggml type.
+* Q5_1_R: four Q5_1 blocks regrouped as {(fp16 d, fp16 m)[4]; qh[4]; qs[4][16]} (96 bytes); in each block's 16
+  nibble bytes byte 4w + b is taken from byte 4b + w (its low nibble is weight 4b + w, its high one 16 + 4b + w),
+  and the fifth bits are moved so that bit 4 of byte b of (qh >> w) is weight 4b + w's and bit 4 of byte b of
+  (qh << (4 - w)) weight 16 + 4b + w's: qh bit 8b + 4 + w, and bit 8b + w.
+All keep the bytes and the size of their ggml type.
 """
 
 from __future__ import annotations
@@ -26,13 +30,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from strata.weights.quants_k import q4_k, q6_k, q8_0
+from strata.weights.quants_k import q4_k, q5_1, q6_k, q8_0
 
 Q8_0_ID = 8
 Q8_0_R8_ID = 1008
 Q8_0_R_ID = 1009
 Q4_K_ID = 12
 Q4_K_R_ID = 1012
+Q5_1_ID = 7
+Q5_1_R_ID = 1007
 Q6_K_ID = 14
 Q6_K_P_ID = 1014
 Q6_K_BYTES, Q6_K_P_BYTES = 210, 224
@@ -94,6 +100,50 @@ def reorder_q8_0(rows: Tensor, k: int) -> Tensor:
     g = regroup_q8_0(rows, k).reshape(*lead, k // 256, 272)
     q = _transpose_words(g[..., 16:].reshape(*lead, k // 256, 8, 32) ^ 0x80)
     return torch.cat([g[..., :16], q.reshape(*lead, k // 256, 256)], -1).reshape(*lead, -1)
+
+
+def _q5_1_qh_order() -> Tensor:
+    """Q5_1_R's fifth-bit positions: bit _Q5_1_QH[e] of its qh holds weight e's (see the module docstring)."""
+    e = torch.arange(32)
+    low = 8 * (e // 4) + 4 + e % 4
+    high = 8 * ((e - 16) // 4) + (e - 16) % 4
+    return torch.where(e < 16, low, high)
+
+
+_Q5_1_QH = _q5_1_qh_order()
+
+
+def _bits(words: Tensor) -> Tensor:
+    """(..., 4) uint8 little-endian words -> (..., 32) bits as int64."""
+    w = words.to(torch.int64)
+    v = w[..., 0] | (w[..., 1] << 8) | (w[..., 2] << 16) | (w[..., 3] << 24)
+    return (v[..., None] >> torch.arange(32, device=words.device)) & 1
+
+
+def _word(bits: Tensor) -> Tensor:
+    """(..., 32) bits -> (..., 4) uint8 little-endian bytes."""
+    v = (bits << torch.arange(32, device=bits.device)).sum(-1)
+    return torch.stack([(v >> (8 * i)) & 255 for i in range(4)], -1).to(torch.uint8)
+
+
+def q5_1_r(blocks: Tensor) -> Tensor:
+    """(n, 96) Q5_1_R groups -> (n, 128) float32: back to four Q5_1 blocks, then Q5_1's decoder."""
+    n = blocks.shape[0]
+    dm = blocks[:, :16].reshape(n, 4, 4)
+    qh = _word(_bits(blocks[:, 16:32].reshape(n, 4, 4))[..., _Q5_1_QH.to(blocks.device)])
+    qs = blocks[:, 32:].reshape(n, 4, 4, 4).transpose(-1, -2).reshape(n, 4, 16)
+    return q5_1(torch.cat([dm, qh, qs], -1).reshape(n * 4, 24)).reshape(n, 128)
+
+
+def reorder_q5_1(rows: Tensor, k: int) -> Tensor:
+    """(..., k/32*24) Q5_1 rows -> the same weights as Q5_1_R rows (k a multiple of 128); a new tensor."""
+    lead = rows.shape[:-1]
+    b = rows.reshape(*lead, k // 128, 4, 24)
+    bits = _bits(b[..., 4:8])
+    qh = _word(torch.zeros_like(bits).scatter_(-1, _Q5_1_QH.to(bits.device).expand_as(bits), bits))
+    qs = b[..., 8:].reshape(*lead, k // 128, 4, 4, 4).transpose(-1, -2).reshape(*lead, k // 128, 4, 16)
+    return torch.cat([b[..., :4].reshape(*lead, k // 128, 16), qh.reshape(*lead, k // 128, 16),
+                      qs.reshape(*lead, k // 128, 64)], -1).reshape(*lead, -1)
 
 
 def q6_k_p(blocks: Tensor) -> Tensor:
