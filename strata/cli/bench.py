@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         cfg = real_config() if args.layers is None else real_config(
             num_hidden_layers=args.layers, layer_types=None)
-        weights = gpu_layout(synthetic_weights(cfg, mix, dev))  # as GPU placement stores them
+        weights = gpu_layout(synthetic_weights(cfg, mix, dev), inplace=True)  # as GPU placement stores them
         mix_text = mix.describe()
     from strata.model.model import Model
 

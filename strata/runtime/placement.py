@@ -81,17 +81,20 @@ def place(w: Weights, device: torch.device | str) -> Weights:
             moved[name] = DenseTensor(name, torch.stack([p.tensor.to(device) for p in t.parts]))
         else:
             moved[name] = t.to(device)
-    return gpu_layout(Weights(w.cfg, moved, w.gdn_value_order, w.source, w.unknown))
+    return gpu_layout(Weights(w.cfg, moved, w.gdn_value_order, w.source, w.unknown), inplace=True)
 
 
-def gpu_layout(w: Weights) -> Weights:
+def gpu_layout(w: Weights, inplace: bool = False) -> Weights:
     """The weight set in the layouts GPU placement stores (the tensors where they are): every 2-D Q6_K matrix
     but the host-resident ones as Q6_K_P (`padded_matrix`), expert stacks and Q8_0 matrices word-ordered
-    (`word_ordered`), the FUSED_GROUPS back to back and repacked
-    (`fuse_groups`). `place` ends with it, and the benchmark's synthetic model goes through it, so both run the
-    same kernels on the same layouts."""
-    tensors = {name: t if name.endswith(HOST_RESIDENT) else word_ordered(name, padded_matrix(t))
-               for name, t in w.tensors.items()}
+    (`word_ordered`), the FUSED_GROUPS back to back and repacked (`fuse_groups`). `place` ends with it, and the
+    benchmark's synthetic model goes through it, so both run the same kernels on the same layouts. With
+    `inplace`, w's tensors are replaced one by one, so each old layout is freed as its new one is made (a model
+    of more than half the device's memory fits); w is then spent."""
+    tensors = w.tensors if inplace else dict(w.tensors)
+    for name in list(tensors):
+        if not name.endswith(HOST_RESIDENT):
+            tensors[name] = word_ordered(name, padded_matrix(tensors[name]))
     return fuse_groups(Weights(w.cfg, tensors, w.gdn_value_order, w.source, w.unknown), repack=True)
 
 

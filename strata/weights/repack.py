@@ -81,6 +81,10 @@ def q4_k_r(blocks: Tensor) -> Tensor:
 
 def reorder_q4_k(rows: Tensor, k: int) -> Tensor:
     """(..., k/256*144) Q4_K rows -> the same blocks as Q4_K_R rows; a new tensor."""
+    return _by_row_chunks(_reorder_q4_k, rows, k)
+
+
+def _reorder_q4_k(rows: Tensor, k: int) -> Tensor:
     lead = rows.shape[:-1]
     b = rows.reshape(*lead, k // 256, 144)
     qs = _transpose_words(b[..., 16:].reshape(*lead, k // 256, 4, 32)).reshape(*lead, k // 256, 128)
@@ -96,54 +100,65 @@ def q8_0_r(blocks: Tensor) -> Tensor:
 
 def reorder_q8_0(rows: Tensor, k: int) -> Tensor:
     """(..., k/32*34) Q8_0 rows -> the same values as Q8_0_R rows (k a multiple of 256); a new tensor."""
+    return _by_row_chunks(_reorder_q8_0, rows, k)
+
+
+def _reorder_q8_0(rows: Tensor, k: int) -> Tensor:
     lead = rows.shape[:-1]
     g = regroup_q8_0(rows, k).reshape(*lead, k // 256, 272)
     q = _transpose_words(g[..., 16:].reshape(*lead, k // 256, 8, 32) ^ 0x80)
     return torch.cat([g[..., :16], q.reshape(*lead, k // 256, 256)], -1).reshape(*lead, -1)
 
 
-def _q5_1_qh_order() -> Tensor:
-    """Q5_1_R's fifth-bit positions: bit _Q5_1_QH[e] of its qh holds weight e's (see the module docstring)."""
-    e = torch.arange(32)
-    low = 8 * (e // 4) + 4 + e % 4
-    high = 8 * ((e - 16) // 4) + (e - 16) % 4
-    return torch.where(e < 16, low, high)
+_Q5_1_QH = [8 * (e // 4) + 4 + e % 4 for e in range(16)] + [8 * (e // 4) + e % 4 for e in range(16)]
+"""Q5_1_R's fifth-bit positions: bit _Q5_1_QH[e] of its qh holds weight e's (see the module docstring)."""
 
 
-_Q5_1_QH = _q5_1_qh_order()
-
-
-def _bits(words: Tensor) -> Tensor:
-    """(..., 4) uint8 little-endian words -> (..., 32) bits as int64."""
+def _move_bits(words: Tensor, to: list[int]) -> Tensor:
+    """(..., 4) uint8 little-endian words with bit e moved to bit to[e] (or, with `to` inverted, back)."""
     w = words.to(torch.int64)
     v = w[..., 0] | (w[..., 1] << 8) | (w[..., 2] << 16) | (w[..., 3] << 24)
-    return (v[..., None] >> torch.arange(32, device=words.device)) & 1
+    out = torch.zeros_like(v)
+    for e, pos in enumerate(to):
+        out |= ((v >> e) & 1) << pos
+    return torch.stack([(out >> (8 * i)) & 255 for i in range(4)], -1).to(torch.uint8)
 
 
-def _word(bits: Tensor) -> Tensor:
-    """(..., 32) bits -> (..., 4) uint8 little-endian bytes."""
-    v = (bits << torch.arange(32, device=bits.device)).sum(-1)
-    return torch.stack([(v >> (8 * i)) & 255 for i in range(4)], -1).to(torch.uint8)
+def _by_row_chunks(fn, rows: Tensor, k: int, chunk_bytes: int = 64 << 20) -> Tensor:
+    """fn(row chunk, k) over chunks of at most ~chunk_bytes of `rows` ((..., row_bytes) uint8), into one new
+    tensor: a reorder of a stack of many GB needs only a chunk's temporaries."""
+    flat = rows.reshape(-1, rows.shape[-1])
+    out = torch.empty_like(flat)
+    step = max(1, chunk_bytes // max(1, flat.shape[1]))
+    for i in range(0, flat.shape[0], step):
+        out[i:i + step] = fn(flat[i:i + step], k)
+    return out.reshape(rows.shape)
 
 
 def q5_1_r(blocks: Tensor) -> Tensor:
     """(n, 96) Q5_1_R groups -> (n, 128) float32: back to four Q5_1 blocks, then Q5_1's decoder."""
     n = blocks.shape[0]
     dm = blocks[:, :16].reshape(n, 4, 4)
-    qh = _word(_bits(blocks[:, 16:32].reshape(n, 4, 4))[..., _Q5_1_QH.to(blocks.device)])
+    back = [0] * 32
+    for e, pos in enumerate(_Q5_1_QH):
+        back[pos] = e
+    qh = _move_bits(blocks[:, 16:32].reshape(n, 4, 4), back)
     qs = blocks[:, 32:].reshape(n, 4, 4, 4).transpose(-1, -2).reshape(n, 4, 16)
     return q5_1(torch.cat([dm, qh, qs], -1).reshape(n * 4, 24)).reshape(n, 128)
 
 
+def _reorder_q5_1(rows: Tensor, k: int) -> Tensor:
+    n = rows.shape[0]
+    b = rows.reshape(n, k // 128, 4, 24)
+    qh = _move_bits(b[..., 4:8], _Q5_1_QH)
+    qs = b[..., 8:].reshape(n, k // 128, 4, 4, 4).transpose(-1, -2).reshape(n, k // 128, 4, 16)
+    return torch.cat([b[..., :4].reshape(n, k // 128, 16), qh.reshape(n, k // 128, 16),
+                      qs.reshape(n, k // 128, 64)], -1).reshape(n, -1)
+
+
 def reorder_q5_1(rows: Tensor, k: int) -> Tensor:
     """(..., k/32*24) Q5_1 rows -> the same weights as Q5_1_R rows (k a multiple of 128); a new tensor."""
-    lead = rows.shape[:-1]
-    b = rows.reshape(*lead, k // 128, 4, 24)
-    bits = _bits(b[..., 4:8])
-    qh = _word(torch.zeros_like(bits).scatter_(-1, _Q5_1_QH.to(bits.device).expand_as(bits), bits))
-    qs = b[..., 8:].reshape(*lead, k // 128, 4, 4, 4).transpose(-1, -2).reshape(*lead, k // 128, 4, 16)
-    return torch.cat([b[..., :4].reshape(*lead, k // 128, 16), qh.reshape(*lead, k // 128, 16),
-                      qs.reshape(*lead, k // 128, 64)], -1).reshape(*lead, -1)
+    return _by_row_chunks(_reorder_q5_1, rows, k)
 
 
 def q6_k_p(blocks: Tensor) -> Tensor:
