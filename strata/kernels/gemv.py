@@ -735,8 +735,8 @@ def _launch_rr(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor 
                up: torch.Tensor | None, up_slot_stride: int, split_k: int | None,
                slot_weights: torch.Tensor | None, shape: tuple[int, int, int, int] | None = None) -> bool:
     """One launch of the row-register kernel (`gemv_rr`) in its `launch_shape` (or `shape`; `split_k` overrides
-    its K split): True, or False when it cannot take it (too many row tiles for the ticket counters), for the
-    generic kernel to run instead."""
+    its K split, which is dropped where the row tiles outnumber the ticket counters): True, or False when a slot
+    sum cannot have its tickets, for the generic kernel to run instead."""
     n_chunks = k // gemv_rr.CHUNK[t.name][0]
     glu = up is not None
     br = (shape or gemv_rr.launch_shape(t.name, n_chunks))[0]
@@ -749,8 +749,10 @@ def _launch_rr(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor 
     summed = slot_weights is not None
     if summed:
         split = 1
+    if split > 1 and tiles * slots > SPLIT_COUNTERS:  # one ticket counter per row tile
+        split = 1
     cnt = tickets(w.device) if split > 1 or summed else None
-    if (summed and (cnt is None or tiles > SPLIT_COUNTERS)) or tiles * slots > SPLIT_COUNTERS:
+    if summed and (cnt is None or tiles > SPLIT_COUNTERS):
         return False
     if cnt is None:
         split = 1
