@@ -92,10 +92,11 @@ def _reorder_q4_k(rows: Tensor, k: int) -> Tensor:
 
 
 def q8_0_r(blocks: Tensor) -> Tensor:
-    """(n, 272) Q8_0_R groups -> (n, 256) float32: back to Q8_0_R8's bytes, then its decoder."""
+    """(n, 272) Q8_0_R groups -> (n, 256) float32: each block's quants back in order, less 128, times its d."""
     n = blocks.shape[0]
-    q = _untranspose_words(blocks[:, 16:].reshape(n, 8, 32)) ^ 0x80
-    return q8_0_r8(torch.cat([blocks[:, :16], q.reshape(n, 256)], -1))
+    d = blocks[:, :16].contiguous().view(torch.float16).to(torch.float32)
+    q = (_untranspose_words(blocks[:, 16:].reshape(n, 8, 32)) ^ 0x80).view(torch.int8).to(torch.float32)
+    return (q * d[:, :, None]).reshape(n, 256)
 
 
 def reorder_q8_0(rows: Tensor, k: int) -> Tensor:
