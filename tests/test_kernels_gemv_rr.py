@@ -1,13 +1,14 @@
-"""The row-register GEMV (strata.kernels.gemv_rr) and its layouts, Q4_K_R and Q8_0_R, on the CPU under Triton's
-interpreter, against "dequantize the ggml blocks, then x @ W^T in float64".
+"""The row-register GEMV (strata.kernels.gemv_rr) and its layouts, Q4_K_R, Q5_1_R and Q8_0_R, on the CPU under
+Triton's interpreter, against "dequantize the ggml blocks, then x @ W^T in float64".
 
 The layouts are checked against the ggml types they are made from (`repack.reorder_*`: the same weights), the
 kernel against the reference at the tolerance of tests/test_kernels_gemv.py (RTOL of sum |w x| per output): plain,
 by expert id (one x for every slot, or one per slot), gate/up GLU of one matrix pair and of the routed experts,
 fp32 and bf16 outputs (bf16: the fp32 result rounded once), partial row tiles and both chunk steps of Q4_K_R (an
-even and an odd super-block count), the routed experts' weighted slot sum and K split over programs. Each launch is checked to have gone through `gemv_rr` (the launcher sends one
-token of these types there), and every output starts as NaN so an unwritten one fails. Under the interpreter the
-byte permute is the shift-and-mask twin; the PRMT form runs on the GPU (tools/gpu_check_gemv.py).
+even and an odd super-block count), the routed experts' weighted slot sum and K split over programs. Each launch is
+checked to have gone through `gemv_rr` (the launcher sends one token of these types there), and every output starts
+as NaN so an unwritten one fails. Under the interpreter the byte permute is the shift-and-mask twin; the PRMT form
+runs on the GPU (tools/gpu_check_gemv.py, tools/gemv_rr_lab.py).
 """
 
 from __future__ import annotations

@@ -1,28 +1,33 @@
-"""Row-register GEMV: one token's products with the word-ordered layouts Q4_K_R and Q8_0_R (`weights/repack.py`).
+"""Row-register GEMV: one token's products with the word-ordered layouts Q4_K_R, Q5_1_R, Q8_0_R (`weights/repack.py`).
 
 The generic GEMV (`gemv.py`) decodes a chunk of every row of a tile into a tile of weights and loads x at offsets
 the decoder returns; Triton then lays the tile out one row per thread and the K loop re-reads x and decodes each
 weight in ~8.5 (Q4_K) or ~6.5 (Q8_0_R8) SASS instructions (`tools/gemv_sass.py`). Here the layouts are made for
 the kernel instead: a thread owns 16-byte vectors of one row's words, and byte b of every word it holds
-multiplies one contiguous run of x, which it loads as 16-byte vectors too (`repack.py` puts weight 8b + w at byte b
-of word w). Each byte becomes an fp32 with one byte permute (PRMT) into a constant, and one FMA turns that into
-the weight:
+multiplies one contiguous run of x, which it loads as 16-byte vectors too (`repack.py` puts weight 8b + w, for
+Q5_1_R 4b + w, at byte b of word w). Each byte becomes an fp32 with one byte permute (PRMT) into a constant, and
+one FMA turns that into the weight:
 
 * Q8_0_R stores q + 128 as u: f = 1 + u / 2^15 (u in byte 1 of 0x3F800000), and fma(f, 2^15 d, -(2^15 + 128) d)
   is exactly d q (the product is exact inside the FMA and d q has at most 19 significant bits);
 * Q4_K_R: f = 0.5 + q / 256 (the nibble in byte 2 of 0x3F000000), and fma(f, 256 S, -(128 S + M)) with
   S = d sc, M = dmin m is S q - M up to the one rounding of the constant 128 S + M (|error| <= 2^-24 (128 S + M),
-  about 1e-7 of the weight's scale).
+  about 1e-7 of the weight's scale); Q5_1_R likewise, fma(f, 256 d, m - 128 d), its fifth bits put on bit 4 of
+  each byte by one shift and one masked OR.
 
-That is ~4.5 (Q4_K_R) and ~3.9 (Q8_0_R) instructions per weight. The launch shapes keep one row per thread and
-few rows per program: the launches are latency-bound, so more programs with short K loops win (H200,
-bench/results/2026-12-04-h200-gemv-rr-lab.json: Q4_K 10240 x 2560 14.8 -> 11.1 us, the routed experts' gate/up
-GLU 19.6 -> 13.4 us, Q8_0 16432 x 2560 18.8 -> 15.3 us).
+That is ~4.5 (Q4_K_R) and ~3.9 (Q8_0_R) instructions per weight with fp32 x (a bf16 x adds its conversion). The
+launch shapes (`launch_shape`) keep one row per thread and few rows per program, and split long K loops over
+programs when the row tiles are few: the launches are latency-bound, so more programs with short K loops win.
+H200, each launch alone against the generic kernel (bench/results/2026-12-04-h200-gemv-rr-lab-3bf6ca4.json):
+Q8_0 16432 x 2560 18.6 (as Q8_0_R8) -> 16.7 us, 2560 x 6144 10.3 -> 8.7, the shared expert's GLU 8.1 -> 5.2, the
+routed experts' gate/up GLU (Q4_K) 19.5 -> 13.0, their down projections with the weighted slot sum (Q5_1) 12.5
+-> 9.1.
 
-Covered: one token (T = 1), plain or by expert id, plain or GLU (gate and up rows in one tile); the launcher in
-`gemv.py` sends every other launch of these types (several tokens, summed slots, K splits) to the generic kernel,
-which reads them through `gemv_blocks.decode_q4_k_r` / `decode_q8_0_r`. Under Triton's interpreter (the CPU
-tests) the byte permute is written as shifts and masks with the same result.
+Covered: one token (T = 1), plain or by expert id, plain or GLU (gate and up rows in one tile), K split or the
+slots summed (split-K tickets, `gemv._split_sum`). The launcher in `gemv.py` sends the other launches of these
+types (several tokens, explicit launch shapes, rows not 16-byte aligned) to the generic kernel, which reads them
+through `gemv_blocks.decode_*_r`. Under Triton's interpreter (the CPU tests) the byte permute is written as shifts
+and masks with the same result.
 """
 
 from __future__ import annotations
@@ -330,8 +335,8 @@ def launch_shape(kind: str, n_chunks: int, tiles: int = 1 << 30) -> tuple[int, i
     """(rows per program, chunks per loop step, warps, K split) of a launch of `tiles` row tiles (all slots) over
     rows of n_chunks chunks. One row per thread: a warp covers 4 rows per step of 2 Q4_K_R super-blocks (8 per
     step of one, for an odd count), 4 Q8_0_R rows, 8 Q5_1_R rows. The launches are latency-bound, so the K loop is
-    split over more programs when there are few row tiles and many chunks
-    (bench/results/2026-12-04-h200-gemv-rr-lab.json)."""
+    split over more programs when there are few row tiles and many chunks. 2 or 4 rows per thread, or
+    prefetching a further chunk, measured slower or equal (bench/results/2026-12-04-h200-gemv-rr-lab*.json)."""
     if kind == "Q4_K_R":
         br, sbc, warps = (8, 2, 2) if n_chunks % 2 == 0 else (16, 1, 2)
     elif kind == "Q8_0_R":

@@ -34,8 +34,8 @@ REPACK_MIN_ROWS_PER_K = 4
 Q4_K_R) when it has at least this many rows per input column (2-D Q8_0 matrices are word-ordered whatever their
 shape, `word_ordered`). The row-register GEMV (`kernels/gemv_rr.py`) measured faster for tall matrices (Q4_K
 10240 x 2560: 11.3 us against 15.5; Q8_0 16432 x 2560: 15.4 against 24.8) and even with the generic kernel for
-short wide Q8_0 ones once it splits K (2560 x 6144: 10.2-10.7 against 10.4; bench/results/2026-12-04-h200-gemv-rr-lab-*.json);
-short wide Q4_K groups were not measured."""
+short wide Q8_0 ones once it splits K (2560 x 6144: 8.7 against 10.3); short wide Q4_K groups were not measured
+(bench/results/2026-12-04-h200-gemv-rr-lab-*.json)."""
 
 WORD_ORDERED_STACKS = ("moe.gate_exps", "moe.up_exps", "moe.down_exps")
 """Expert stacks a GPU stores word-ordered (Q4_K -> Q4_K_R, Q5_1 -> Q5_1_R) for the row-register GEMV: at the real
