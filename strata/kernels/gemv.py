@@ -286,22 +286,6 @@ def _tile(xp, xs, rp, tab_ptr, n_chunks,
 
 
 @triton.jit
-def _rounded(v, DT: tl.constexpr):
-    """fp32 v rounded (to nearest even) to DT, still held as fp32.
-
-    bfloat16 is rounded on the bits (torch's formula) rather than by a cast: the same on every backend, and
-    Triton's interpreter truncates fp32 -> bfloat16 casts. bfloat16 has fp32's exponent range, so the integer add
-    also rounds subnormals and overflows to inf correctly."""
-    if DT == tl.bfloat16:
-        u = v.to(tl.int32, bitcast=True)
-        return ((u + 0x7FFF + ((u >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    elif DT == tl.float16:
-        return v.to(tl.float16).to(tl.float32)
-    else:
-        return v
-
-
-@triton.jit
 def _split_sum(res, part, cnt, s, SPLIT: tl.constexpr, ROWS: tl.constexpr, T_PAD: tl.constexpr):
     """Split-K: the sum of the SPLIT programs' partial tiles `res` of one row tile, in program order (so it does
     not depend on which finishes last), and 1 if this program is the one to store it (the last to arrive), else 0.
@@ -322,18 +306,9 @@ def _split_sum(res, part, cnt, s, SPLIT: tl.constexpr, ROWS: tl.constexpr, T_PAD
 
 
 @triton.jit
-def _cast(v, dt: tl.constexpr):
-    """fp32 v cast once to dt (bfloat16 rounded to nearest even by `_rounded`, the same on every backend)."""
-    if dt == tl.bfloat16:
-        return (_rounded(v, dt).to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    else:
-        return v.to(dt)
-
-
-@triton.jit
 def _store(optr, v, rows, N, tok_stride, T: tl.constexpr, T_PAD: tl.constexpr):
     """out[t, rows] = v[:, t] (fp32 [BN, T_PAD]) for t < T and rows < N, cast once to out's element type."""
-    v = _cast(v, optr.dtype.element_ty)
+    v = gb.cast(v, optr.dtype.element_ty)
     tcol = tl.arange(0, T_PAD)
     tl.store(optr + tcol[None, :] * tok_stride + rows[:, None], v, mask=(rows[:, None] < N) & (tcol[None, :] < T))
 
@@ -444,7 +419,7 @@ def _glu_kernel(
                                T_PAD)
     g, u = tl.split(tl.permute(tl.reshape(res, [2, BN, T_PAD]), (1, 2, 0)))
     dt: tl.constexpr = out_ptr.dtype.element_ty
-    y = _rounded(_act(_rounded(g, dt), ACT), dt) * _rounded(u, dt)
+    y = gb.rounded(_act(gb.rounded(g, dt), ACT), dt) * gb.rounded(u, dt)
     _store(out_ptr + slot * out_slot_stride, y, pid * BN + tl.arange(0, BN), N * last, out_tok_stride, T, T_PAD)
 
 
@@ -475,7 +450,7 @@ def _dequant_kernel(w_ptr, tab_ptr, out_ptr, R, w_row_stride, out_row_stride,
     c = tl.program_id(1)
     rows_c = tl.minimum(rows, R - 1).to(tl.int64)
     w, xo = DECODE(w_ptr + rows_c * w_row_stride + c * CHUNK_W, tab_ptr, BN, NB)
-    v = _cast(w, out_ptr.dtype.element_ty)
+    v = gb.cast(w, out_ptr.dtype.element_ty)
     off = _trailing(rows_c * out_row_stride, RANK) + c * CHUNK_X + xo[None]
     tl.store(out_ptr + off, v, mask=_trailing(rows < R, RANK))
 

@@ -59,6 +59,31 @@ def _i2f(q, OFF: tl.constexpr):
 
 
 @triton.jit
+def rounded(v, DT: tl.constexpr):
+    """fp32 v rounded (to nearest even) to DT, still held as fp32.
+
+    bfloat16 is rounded on the bits (torch's formula) rather than by a cast: the same on every backend, and
+    Triton's interpreter truncates fp32 -> bfloat16 casts. bfloat16 has fp32's exponent range, so the integer add
+    also rounds subnormals and overflows to inf correctly."""
+    if DT == tl.bfloat16:
+        u = v.to(tl.int32, bitcast=True)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    elif DT == tl.float16:
+        return v.to(tl.float16).to(tl.float32)
+    else:
+        return v
+
+
+@triton.jit
+def cast(v, dt: tl.constexpr):
+    """fp32 v cast once to dt (bfloat16 rounded to nearest even by `rounded`, the same on every backend)."""
+    if dt == tl.bfloat16:
+        return (rounded(v, dt).to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(dt)
+
+
+@triton.jit
 def _ksigns(s7):
     """ggml's `ksigns_iq2xs[s7]`: the 7 stored sign bits plus an 8th that makes the count of minus signs even."""
     p = s7 ^ (s7 >> 4)
@@ -288,10 +313,9 @@ def _k4_unpack(b0, b4, b8, low):
 
 
 @triton.jit
-def decode_q4_k(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
-    """Q4_K: {fp16 d, dmin; scales[12]; qs[128]}; 32-byte group c holds sub-block 2c (low nibbles) and 2c+1
-    (high); w = d sc q - dmin m. NB super-blocks per chunk (more bytes in flight per loop step: the K loop of a
-    short matrix is latency-bound otherwise). [BN, NB, 4 = c, 32, 2 = nibble]."""
+def _q4_k_bytes(rp, NB: tl.constexpr, WORD_ORDER: tl.constexpr):
+    """Q4_K super-blocks read byte by byte (NB per chunk); with WORD_ORDER the nibble bytes are Q4_K_R's (byte 4w + b
+    of a 32-byte group holds weight 8b + w). [BN, NB, 4 = c, 32, 2 = nibble]."""
     s = tl.arange(0, NB)
     c = tl.arange(0, 4)
     i = tl.arange(0, 32)
@@ -301,9 +325,21 @@ def decode_q4_k(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
     sh, mh = _k4_scale_min_nb(bp + 4, 2 * c + 1)
     d = _f16(bp)[:, :, None, None]
     dm = _f16(bp + 2)[:, :, None, None]
-    base = s[:, None, None] * 256 + c[None, :, None] * 64 + i[None, None, :]
+    if WORD_ORDER:
+        pos = _word_order(i)
+    else:
+        pos = i
+    base = s[:, None, None] * 256 + c[None, :, None] * 64 + pos[None, None, :]
     return (tl.join(_i2f(qb & 15, 0.0) * (d * sl) - dm * ml, _i2f(qb >> 4, 0.0) * (d * sh) - dm * mh),
             tl.join(base, base + 32))
+
+
+@triton.jit
+def decode_q4_k(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """Q4_K: {fp16 d, dmin; scales[12]; qs[128]}; 32-byte group c holds sub-block 2c (low nibbles) and 2c+1
+    (high); w = d sc q - dmin m. NB super-blocks per chunk (more bytes in flight per loop step: the K loop of a
+    short matrix is latency-bound otherwise). [BN, NB, 4 = c, 32, 2 = nibble]."""
+    return _q4_k_bytes(rp, NB, False)
 
 
 @triton.jit
@@ -620,20 +656,9 @@ def _word_order(i):
 @triton.jit
 def decode_q4_k_r(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
     """Q4_K_R (`strata.weights.repack`): Q4_K with each 32-byte group of nibbles in word order, byte by byte, for
-    the launches the row-register GEMV (`gemv_rr`) does not take (several tokens, summed slots, row decodes).
+    the launches the row-register GEMV (`gemv_rr`) does not take (several tokens, row decodes).
     [BN, NB, 4 = c, 32, 2 = nibble]."""
-    s = tl.arange(0, NB)
-    c = tl.arange(0, 4)
-    i = tl.arange(0, 32)
-    bp = rp[:, None] + s[None, :] * 144
-    qb = _u8(bp[:, :, None, None] + 16 + (c[:, None] * 32 + i[None, :])[None, None, :, :])
-    sl, ml = _k4_scale_min_nb(bp + 4, 2 * c)
-    sh, mh = _k4_scale_min_nb(bp + 4, 2 * c + 1)
-    d = _f16(bp)[:, :, None, None]
-    dm = _f16(bp + 2)[:, :, None, None]
-    base = s[:, None, None] * 256 + c[None, :, None] * 64 + _word_order(i)[None, None, :]
-    return (tl.join(_i2f(qb & 15, 0.0) * (d * sl) - dm * ml, _i2f(qb >> 4, 0.0) * (d * sh) - dm * mh),
-            tl.join(base, base + 32))
+    return _q4_k_bytes(rp, NB, True)
 
 
 @triton.jit

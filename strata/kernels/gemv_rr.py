@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.kernels import gemv_blocks as gb
 from strata.kernels import pdl
 
 ROW_REGISTER_TYPES = ("Q4_K_R", "Q8_0_R", "Q5_1_R")
@@ -220,26 +221,9 @@ def _q5_1_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, B
 
 
 @triton.jit
-def _rounded(v, DT: tl.constexpr):
-    """fp32 v rounded (to nearest even) to DT, held as fp32 (bfloat16 on the bits: `gemv._rounded`)."""
-    if DT == tl.bfloat16:
-        u = v.to(tl.int32, bitcast=True)
-        return ((u + 0x7FFF + ((u >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    elif DT == tl.float16:
-        return v.to(tl.float16).to(tl.float32)
-    else:
-        return v
-
-
-@triton.jit
 def _store(optr, v, rows, N):
-    """out[rows] = v, rounded once to out's element type (bfloat16 to nearest even on the bits)."""
-    dt: tl.constexpr = optr.dtype.element_ty
-    if dt == tl.bfloat16:
-        v = (_rounded(v, dt).to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    else:
-        v = v.to(dt)
-    tl.store(optr + rows, v, mask=rows < N)
+    """out[rows] = v, rounded once to out's element type (`gemv_blocks.cast`)."""
+    tl.store(optr + rows, gb.cast(v, optr.dtype.element_ty), mask=rows < N)
 
 
 @triton.jit(do_not_specialize=["D_STRIDE"])
@@ -319,8 +303,8 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
     if GLU:
         g, u = tl.split(tl.permute(tl.reshape(res, [2, BR // 2]), (1, 0)))
         dt: tl.constexpr = out_ptr.dtype.element_ty
-        g = _rounded(g, dt)
-        y = _rounded(g / (1.0 + tl.exp(-g)), dt) * _rounded(u, dt)  # torch's silu, rounded as the model rounds
+        g = gb.rounded(g, dt)
+        y = gb.rounded(g / (1.0 + tl.exp(-g)), dt) * gb.rounded(u, dt)  # torch's silu, rounded as the model rounds
         _store(optr, y, pid * (BR // 2) + tl.arange(0, BR // 2), N * last)
     else:
         _store(optr, res, pid * BR + r, N * last)
