@@ -16,12 +16,15 @@ If nvdisasm is missing it falls back to counting PTX instructions in the loop (l
     python tools/gemv_sass.py Q4_K --n 640 --k 2560 --bn 2 --warps 4
     python tools/gemv_sass.py Q4_K --dump                          # print the loop body's SASS
     python tools/gemv_sass.py lab:NAME                             # a GemvType defined in tools/gemv_lab.py
+    python tools/gemv_sass.py Q4_K_R Q8_0_R Q5_1_R --rr --x fp32    # the row-register kernel (kernels/gemv_rr.py)
+    python tools/gemv_sass.py Q4_K_R --rr --out counts.json         # also write the reports as JSON
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import dataclasses
 import re
 import subprocess
@@ -35,6 +38,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from strata.kernels import gemv as G  # noqa: E402
+from strata.kernels import gemv_rr as RR  # noqa: E402
 
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
@@ -98,6 +102,42 @@ def compile_kernel(t: G.GemvType, n: int, k: int, bn: int | None = None, nw: int
     weights = tile_rows * dec["CHUNK_X"]
     return ck, dict(type=t.name, n=n, k=k, kernel=kernel, BN=rows, warps=warps, NB=dec["NB"],
                     weights_per_thread=weights / (warps * 32))
+
+
+def compile_rr(kind: str, n: int, k: int, glu: bool = False, x_dtype: str = "bf16", arch: int = 90):
+    """The CompiledKernel of one one-token launch of `gemv_rr._rr_kernel` (in its `launch_shape`, one matrix,
+    bf16 output) and its launch facts, as `compile_kernel`."""
+    elems, chunk_bytes = RR.CHUNK[kind]
+    n_chunks = k // elems
+    br, sbc, warps, _ = RR.launch_shape(kind, n_chunks)
+    rb = n_chunks * chunk_bytes
+    ptrs = dict(x_ptr=f"*{x_dtype}", g_ptr="*u8", u_ptr="*u8", ids_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32",
+                cnt_ptr="*i32", sw_ptr="*fp32")
+    ints = dict(N=n, g_row_stride=rb, u_row_stride=rb, g_slot_stride=0, u_slot_stride=0, x_slot_stride=0,
+                out_slot_stride=0, BASE=RR._BASE[kind], X_ROW_STRIDE=0, D_STRIDE=1)
+    consts = dict(KIND=kind, CHUNK_ELEMS=elems, CHUNK_BYTES=chunk_bytes, NCH=n_chunks, SBC=sbc, BR=br, GLU=glu,
+                  HAS_IDS=False, ASM=True, SPLIT_SUM=G._split_sum, SPLIT=1, SLOT_SUM=0, GDC=False)
+    sig, attrs = {}, {}
+    for i, a in enumerate(RR._rr_kernel.arg_names):
+        if a in consts:
+            sig[a] = "constexpr"
+        elif a in ptrs:
+            sig[a] = ptrs[a]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            v = ints[a]
+            if v == 1 and a not in RR._rr_kernel.do_not_specialize:
+                sig[a] = "constexpr"
+                consts[a] = 1
+                continue
+            sig[a] = "i32"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = triton.compiler.ASTSource(RR._rr_kernel, sig, constexprs=consts, attrs=attrs)
+    ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps))
+    weights = br * sbc * elems
+    return ck, dict(type=kind, n=n, k=k, kernel="rr glu" if glu else "rr", BN=br, warps=warps, NB=sbc,
+                    x=x_dtype, weights_per_thread=weights / (warps * 32))
 
 
 _CLASSES = [
@@ -175,8 +215,12 @@ def ptx_loop_count(ptx: str) -> int:
     return best
 
 
-def analyze(t: G.GemvType, n: int, k: int, bn=None, nw=None, nb=None, kernel="gemv", dump=False) -> dict:
-    ck, facts = compile_kernel(t, n, k, bn, nw, nb, kernel)
+def analyze(t: G.GemvType, n: int, k: int, bn=None, nw=None, nb=None, kernel="gemv", dump=False,
+            x_dtype: str = "bf16") -> dict:
+    if kernel.startswith("rr"):
+        ck, facts = compile_rr(t.name, n, k, kernel == "rr glu", x_dtype)
+    else:
+        ck, facts = compile_kernel(t, n, k, bn, nw, nb, kernel, x_dtype)
     ttgir = ck.asm["ttgir"]
     facts["convert_layout"] = ttgir.count("ttg.convert_layout")
     facts["local_alloc"] = ttgir.count("ttg.local_alloc")
@@ -221,13 +265,21 @@ def main() -> int:
     ap.add_argument("--kernel", default="gemv", choices=("gemv", "glu"))
     ap.add_argument("--dump", action="store_true", help="print the loop body's SASS")
     ap.add_argument("--no-prefetch", action="store_true", help="the decoder whole (no load/unpack pipelining)")
+    ap.add_argument("--rr", action="store_true", help="the row-register kernel (kernels/gemv_rr.py) of a *_R type")
+    ap.add_argument("--x", default="bf16", choices=("bf16", "fp32"), help="x's element type (default bf16)")
+    ap.add_argument("--out", default=None, help="also write the reports as JSON here")
     args = ap.parse_args()
+    facts = []
     for name in args.types:
         t = _resolve(name)
         if args.no_prefetch:
             t = dataclasses.replace(t, load=None, unpack=None)
-        f = analyze(t, args.n, args.k, args.bn, args.warps, args.nb, args.kernel, args.dump)
+        kernel = ("rr glu" if args.kernel == "glu" else "rr") if args.rr else args.kernel
+        f = analyze(t, args.n, args.k, args.bn, args.warps, args.nb, kernel, args.dump, args.x)
+        facts.append(f)
         print(report(f))
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(triton=triton.__version__, reports=facts), indent=1))
     return 0
 
 

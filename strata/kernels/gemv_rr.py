@@ -15,7 +15,8 @@ one FMA turns that into the weight:
   about 1e-7 of the weight's scale); Q5_1_R likewise, fma(f, 256 d, m - 128 d), its fifth bits put on bit 4 of
   each byte by one shift and one masked OR.
 
-That is ~4.5 (Q4_K_R) and ~3.9 (Q8_0_R) instructions per weight with fp32 x (a bf16 x adds its conversion). The
+That is ~4.9 (Q4_K_R, Q5_1_R) and ~4.0 (Q8_0_R) SASS instructions per weight in the K loop with fp32 x, ~6.4 and
+~5.8 with bf16 x, which each thread converts (bench/results/2026-12-04-cpu-gemv-sass-rr.json). The
 launch shapes (`launch_shape`) keep one row per thread and few rows per program, and split long K loops over
 programs when the row tiles are few: the launches are latency-bound, so more programs with short K loops win.
 H200, each launch alone against the generic kernel (bench/results/2026-12-04-h200-gemv-rr-lab-3bf6ca4.json):
@@ -229,16 +230,18 @@ def _store(optr, v, rows, N):
 @triton.jit(do_not_specialize=["D_STRIDE"])
 def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr, N, g_row_stride, u_row_stride,
                g_slot_stride, u_slot_stride, x_slot_stride, out_slot_stride, BASE, X_ROW_STRIDE, D_STRIDE,
-               KIND: tl.constexpr, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr, GLU: tl.constexpr,
+               KIND: tl.constexpr, CHUNK_ELEMS: tl.constexpr, CHUNK_BYTES: tl.constexpr, NCH: tl.constexpr,
+               SBC: tl.constexpr, BR: tl.constexpr, GLU: tl.constexpr,
                HAS_IDS: tl.constexpr, ASM: tl.constexpr, SPLIT_SUM: tl.constexpr, SPLIT: tl.constexpr = 1,
                SLOT_SUM: tl.constexpr = 0, GDC: tl.constexpr = False):
     """out[slot, rows] = W[slot's matrix][rows] . x[slot], or with GLU act(G . x) * (U . x), for one token.
 
     Program (i, slot, s): BR rows of the matrix of `slot` (expert ids[slot] when HAS_IDS), or with GLU BR / 2 rows
     of the gate matrix and the same rows of the up matrix in one tile, over the s-th of SPLIT equal runs of the
-    row's NCH chunks. Rows past N are clamped to N - 1 and not stored. Byte strides; every row starts 16-byte
-    aligned (the launcher checks). X_ROW_STRIDE is 0: x is addressed per tile row so its loads take the weight
-    words' thread layout (one row per thread, so no load is repeated). With GDC (PDL) the first chunk's words are
+    row's NCH chunks (of CHUNK_ELEMS weights in CHUNK_BYTES bytes, `CHUNK`). Rows past N are clamped to N - 1 and
+    not stored. Byte strides; every row starts 16-byte aligned (the launcher checks). X_ROW_STRIDE is 0: x is
+    addressed per tile row so its loads take the weight words' thread layout (one row per thread, so no load is
+    repeated). With GDC (PDL) the first chunk's words are
     in flight before the wait, unless the matrix depends on the expert ids.
 
     SPLIT > 1: the SPLIT partial sums of a row tile are added in program order by the last program to finish
@@ -268,17 +271,8 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
         rows_c = tl.minimum(pid * BR + r, N - 1).to(tl.int64)
         rp = g_ptr + mat * g_slot_stride + rows_c * g_row_stride
     NC: tl.constexpr = NCH // SPLIT
-    if KIND == "Q4_K_R":
-        CB: tl.constexpr = 144
-        CE: tl.constexpr = 256
-    elif KIND == "Q8_0_R":
-        CB: tl.constexpr = 272
-        CE: tl.constexpr = 256
-    else:
-        CB: tl.constexpr = 96
-        CE: tl.constexpr = 128
-    rp = tl.multiple_of(rp + part * (NC * CB), 16)
-    xp = (x_ptr + slot * x_slot_stride + part * (NC * CE) + r * X_ROW_STRIDE)[:, None, None, None]
+    rp = tl.multiple_of(rp + part * (NC * CHUNK_BYTES), 16)
+    xp = (x_ptr + slot * x_slot_stride + part * (NC * CHUNK_ELEMS) + r * X_ROW_STRIDE)[:, None, None, None]
     if KIND == "Q4_K_R":
         res = _q4_k_r_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, NC, SBC, BR, ASM,
                            GDC and not HAS_IDS)
@@ -362,6 +356,6 @@ def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None
         x, w, u, ids if ids is not None else w, out, part, cnt, slot_weights if slot_weights is not None else out, n,
         w.stride(-2), u.stride(-2), w_slot_stride, up_slot_stride if glu else w_slot_stride, x_slot_stride,
         out_slot_stride, _BASE[kind], 0, 1,
-        KIND=kind, NCH=k // CHUNK[kind][0], SBC=sbc, BR=br, GLU=glu, HAS_IDS=ids is not None,
-        ASM=x.device.type == "cuda", SPLIT_SUM=split_sum, SPLIT=split,
+        KIND=kind, CHUNK_ELEMS=CHUNK[kind][0], CHUNK_BYTES=CHUNK[kind][1], NCH=k // CHUNK[kind][0], SBC=sbc, BR=br,
+        GLU=glu, HAS_IDS=ids is not None, ASM=x.device.type == "cuda", SPLIT_SUM=split_sum, SPLIT=split,
         SLOT_SUM=slots if slot_weights is not None else 0, num_warps=warps, **gdc)

@@ -113,6 +113,8 @@ def _reorder_q8_0(rows: Tensor, k: int) -> Tensor:
 
 _Q5_1_QH = [8 * (e // 4) + 4 + e % 4 for e in range(16)] + [8 * (e // 4) + e % 4 for e in range(16)]
 """Q5_1_R's fifth-bit positions: bit _Q5_1_QH[e] of its qh holds weight e's (see the module docstring)."""
+_Q5_1_QH_BACK = sorted(range(32), key=_Q5_1_QH.__getitem__)
+"""The inverse: bit p of Q5_1_R's qh is weight _Q5_1_QH_BACK[p]'s (Q5_1's bit _Q5_1_QH_BACK[p])."""
 
 
 def _move_bits(words: Tensor, to: list[int]) -> Tensor:
@@ -140,10 +142,7 @@ def q5_1_r(blocks: Tensor) -> Tensor:
     """(n, 96) Q5_1_R groups -> (n, 128) float32: back to four Q5_1 blocks, then Q5_1's decoder."""
     n = blocks.shape[0]
     dm = blocks[:, :16].reshape(n, 4, 4)
-    back = [0] * 32
-    for e, pos in enumerate(_Q5_1_QH):
-        back[pos] = e
-    qh = _move_bits(blocks[:, 16:32].reshape(n, 4, 4), back)
+    qh = _move_bits(blocks[:, 16:32].reshape(n, 4, 4), _Q5_1_QH_BACK)
     qs = blocks[:, 32:].reshape(n, 4, 4, 4).transpose(-1, -2).reshape(n, 4, 16)
     return q5_1(torch.cat([dm, qh, qs], -1).reshape(n * 4, 24)).reshape(n, 128)
 
