@@ -42,10 +42,10 @@ def test_synthetic_weights_have_the_stated_types_and_run():
     with torch.inference_mode():
         logits = Model(w).forward(torch.arange(2, 12), Model(w).new_state())
     assert torch.isfinite(logits).all()
-    # the bench stores it as GPU placement does: the head as Q6_K_P, the projection groups fused and repacked, the
+    # the bench stores it as GPU placement does: the head as Q6_K_R, the projection groups fused and repacked, the
     # expert stacks and Q8_0 matrices word-ordered
     placed = gpu_layout(w)
-    assert placed["head"].kind == "Q6_K_P" and placed["L0.gdn.qkv"].kind == "Q8_0_R"
+    assert placed["head"].kind == "Q6_K_R" and placed["L0.gdn.qkv"].kind == "Q8_0_R"
     assert placed["L0.moe.down_exps"].kind == "Q5_1_R" and placed["L1.ple.table"] is w["L1.ple.table"]
     assert placed["L0.moe.gate_exps"].kind == placed["L0.moe.up_exps"].kind == "Q4_K_R"
     with torch.inference_mode():

@@ -57,7 +57,7 @@ def zlib_seed(name: str) -> int:
 
 QUANT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_0_R8", "IQ4_NL", "Q2_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
                "Q6_K_P", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS", "Q8_0_R", "Q4_K_R",
-               "Q5_1_R"]
+               "Q5_1_R", "Q6_K_R"]
 DENSE_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 def k_for(name: str) -> int:
@@ -263,7 +263,7 @@ def test_split_k_is_lowered_to_a_divisor_of_the_chunks() -> None:
 
 
 @pytest.mark.parametrize("name", ["IQ4_NL", "Q8_0", "Q5_1", "Q4_K", "Q6_K", "IQ4_XS", "Q8_0_R8", "Q6_K_P", "Q8_0_R",
-                                  "Q4_K_R", "Q5_1_R"])
+                                  "Q4_K_R", "Q5_1_R", "Q6_K_R"])
 def test_dequantize_rows_matches_the_reference_decoder(name: str) -> None:
     """5 stored rows (three programs of 2, the last partial) decoded to fp32 equal quants.dequantize to fp32
     rounding (the decoders form d*sc first), and to bf16 they round to the same value but where the two fp32
@@ -381,23 +381,22 @@ def test_fuse_rows_repacks_tall_q8_0_groups(monkeypatch) -> None:
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
 
 
-def test_padded_matrix_stores_q6_k_as_q6_k_p(monkeypatch) -> None:
-    """The GPU placement stores a 2-D Q6_K matrix as Q6_K_P (blocks padded to 224 bytes): the same values,
-    dequantized, row-gathered and through the GEMV; other types and expert stacks stay as they were."""
+def test_gpu_layout_stores_q6_k_matrices_as_q6_k_r(monkeypatch) -> None:
+    """The GPU placement stores a 2-D Q6_K matrix as Q6_K_R (`word_ordered`; 224 bytes per block): the same
+    values, dequantized, row-gathered and through the GEMV; expert stacks and other types stay as they were."""
     rng = np.random.default_rng(14)
     head = QuantTensor("head", random_blocks("Q6_K", 6, 512, rng), 14, (6, 512))
-    padded = placement.padded_matrix(head)
-    assert padded.kind == "Q6_K_P" and padded.data.shape == (6, 2 * 224)
-    assert torch.equal(padded.data.reshape(6, 2, 224)[..., :210], head.data.reshape(6, 2, 210))
-    assert torch.equal(padded.dense(), head.dense())
+    placed = placement.word_ordered("head", head)
+    assert placed.kind == "Q6_K_R" and placed.data.shape == (6, 2 * 224)
+    assert torch.equal(placed.dense(), head.dense())
     index = torch.tensor([5, 0, 3])
-    assert torch.equal(padded.rows(index, torch.float32), head.rows(index, torch.float32))
+    assert torch.equal(placed.rows(index, torch.float32), head.rows(index, torch.float32))
     stack = QuantTensor("experts", random_blocks("Q6_K", 6, 512, rng).reshape(2, 3, -1), 14, (2, 3, 512))
-    q8 = QuantTensor("q8", random_blocks("Q8_0", 4, 256, rng), 8, (4, 256))
-    assert placement.padded_matrix(stack) is stack and placement.padded_matrix(q8) is q8
+    q4 = QuantTensor("q4", random_blocks("Q4_K", 4, 256, rng), 12, (4, 256))
+    assert placement.word_ordered("experts", stack) is stack and placement.word_ordered("q4", q4) is q4
     monkeypatch.setattr(K_OPS, "_on_gpu", lambda x: True)
     x = torch.randn(1, 512, generator=torch.Generator().manual_seed(14))
-    assert torch.allclose(K_OPS.linear_triton(x, padded, None), linear_ref(x, head, None), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(K_OPS.linear_triton(x, placed, None), linear_ref(x, head, None), rtol=1e-5, atol=1e-6)
 
 
 def test_linears_triton_runs_a_fused_group_as_one_gemv(monkeypatch) -> None:

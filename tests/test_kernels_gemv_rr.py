@@ -1,4 +1,4 @@
-"""The row-register GEMV (strata.kernels.gemv_rr) and its layouts, Q4_K_R, Q5_1_R and Q8_0_R, on the CPU under
+"""The row-register GEMV (strata.kernels.gemv_rr) and its layouts, Q4_K_R, Q5_1_R, Q8_0_R and Q6_K_R, on the CPU under
 Triton's interpreter, against "dequantize the ggml blocks, then x @ W^T in float64".
 
 The layouts are checked against the ggml types they are made from (`repack.reorder_*`: the same weights), the
@@ -22,7 +22,7 @@ from tests.test_kernels_gemv import RTOL, G, _rr, random_blocks, zlib_seed
 from strata.weights import quants, repack
 
 KINDS = {"Q4_K_R": ("Q4_K", repack.reorder_q4_k), "Q8_0_R": ("Q8_0", repack.reorder_q8_0),
-         "Q5_1_R": ("Q5_1", repack.reorder_q5_1)}
+         "Q5_1_R": ("Q5_1", repack.reorder_q5_1), "Q6_K_R": ("Q6_K", repack.reorder_q6_k)}
 
 
 def ggml_rows(kind: str, rows: int, k: int, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +60,7 @@ def test_layouts_hold_the_ggml_weights(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind,k", [("Q4_K_R", 512), ("Q4_K_R", 768), ("Q8_0_R", 512), ("Q8_0_R", 768),
-                                    ("Q5_1_R", 640), ("Q5_1_R", 384)])
+                                    ("Q5_1_R", 640), ("Q5_1_R", 384), ("Q6_K_R", 512), ("Q6_K_R", 768)])
 def test_plain(kind: str, k: int, rr_calls) -> None:
     rng = np.random.default_rng(zlib_seed(kind) + k)
     w, ref = ggml_rows(kind, 21, k, rng)  # partial row tiles at 4, 8 and 16 rows per program
@@ -176,13 +176,14 @@ def test_k_split(kind: str, k: int, rr_calls) -> None:
 
 
 def test_launch_shapes_keep_one_row_per_thread() -> None:
-    """Rows per program = rows a warp's threads cover per chunk step x warps (Q4_K_R: 4 per step of 2
+    """Rows per program = rows a warp's threads cover per chunk step x warps (Q4_K_R, Q6_K_R: 4 per step of 2
     super-blocks, 8 per step of 1; Q8_0_R: 4; Q5_1_R: 8), so x is never loaded twice by one thread; a K split
     divides the chunks into runs of whole steps."""
     for n_chunks in (1, 2, 3, 5, 10, 24, 64):
         for tiles in (1, 100, 10_000):
-            br, sbc, warps, split = _rr.launch_shape("Q4_K_R", n_chunks, tiles)
-            assert br == (4 if sbc == 2 else 8) * warps and n_chunks % (sbc * split) == 0
+            for kind in ("Q4_K_R", "Q6_K_R"):
+                br, sbc, warps, split = _rr.launch_shape(kind, n_chunks, tiles)
+                assert br == (4 if sbc == 2 else 8) * warps and n_chunks % (sbc * split) == 0
             br, sbc, warps, split = _rr.launch_shape("Q8_0_R", n_chunks, tiles)
             assert sbc == 1 and br == 4 * warps and n_chunks % split == 0
             br, sbc, warps, split = _rr.launch_shape("Q5_1_R", n_chunks, tiles)

@@ -28,14 +28,17 @@ from tools.gpu_check_gemv import time_graph  # noqa: E402
 
 BANK_BYTES = 800 << 20
 SRC = {"Q4_K_R": ("Q4_K", repack.reorder_q4_k), "Q8_0_R": ("Q8_0", repack.reorder_q8_0),
-       "Q5_1_R": ("Q5_1", repack.reorder_q5_1)}
-MATRICES = [("Q8_0", 16432, 2560), ("Q8_0", 2560, 6144), ("Q8_0", 13952, 2560), ("Q4_K", 10240, 2560)]
-"""(ggml type, N, K): the GDN and QSA projection groups, the out projections, a Q4_K matrix."""
+       "Q5_1_R": ("Q5_1", repack.reorder_q5_1), "Q6_K_R": ("Q6_K", repack.reorder_q6_k)}
+MATRICES = [("Q8_0", 16432, 2560), ("Q8_0", 2560, 6144), ("Q8_0", 13952, 2560), ("Q4_K", 10240, 2560),
+            ("Q6_K", 248320, 2560)]
+"""(ggml type, N, K): the GDN and QSA projection groups, the out projections, a Q4_K matrix, the head."""
 GLUS = [("Q8_0", 640, 2560)]
 """(type, I, K): the shared expert's gate/up."""
 EXPERTS = [("Q4_K", "glu", 640, 2560), ("Q5_1", "sum", 2560, 640)]
 """(type, kind, N, K) of the routed experts' launches: gate/up GLU, down with the weighted slot sum (10 of 256)."""
 SPLITS = (1, 2, 4, 8)
+X_DTYPE = [torch.bfloat16]
+"""The dtype the GEMV inputs are given in (`--x`): bf16 values either way."""
 
 
 def rand_rows(name: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -77,14 +80,16 @@ def rr_shapes(kind: str, n_chunks: int, tiles: int) -> list[tuple[str, tuple | N
     return out
 
 
-def matrices(lab: Lab, gen: torch.Generator) -> None:
+def matrices(lab: Lab, gen: torch.Generator, types: set[str] | None) -> None:
     for name, n, k in MATRICES:
+        if types and name not in types:
+            continue
         w = rand_rows(name, n, k, gen)
         ref = quants.dequantize(w, G.gemv_type(name).type_id, k).double()
         nbytes = w.numel()
         copies = max(4, min(96, math.ceil(BANK_BYTES / nbytes)))
         bank = [rand_rows(name, n, k, gen) for _ in range(copies)]
-        x = torch.randn(1, k, generator=gen, device="cuda").to(torch.bfloat16)
+        x = torch.randn(1, k, generator=gen, device="cuda").to(torch.bfloat16).to(X_DTYPE[0])
         out = torch.empty(1, n, device="cuda")
 
         def err(y: torch.Tensor) -> float:
@@ -96,6 +101,11 @@ def matrices(lab: Lab, gen: torch.Generator) -> None:
             lab.case("Q8_0_R8 generic", f"{n}x{k}", lambda b: G.gemv(x, b, "Q8_0_R8", k, out=out), b8, nbytes,
                      err(G.gemv(x, repack.regroup_q8_0(w, k), "Q8_0_R8", k)))
             del b8
+        if name == "Q6_K":
+            bp = [repack.pad_q6_k(b, k) for b in bank]
+            lab.case("Q6_K_P generic", f"{n}x{k}", lambda b: G.gemv(x, b, "Q6_K_P", k, out=out), bp, nbytes,
+                     err(G.gemv(x, repack.pad_q6_k(w, k), "Q6_K_P", k)))
+            del bp
         kind, wr = word(name, w, k)
         br = [word(name, b, k)[1] for b in bank]
         n_chunks = k // gemv_rr.CHUNK[kind][0]
@@ -115,15 +125,17 @@ def matrices(lab: Lab, gen: torch.Generator) -> None:
         torch.cuda.empty_cache()
 
 
-def glus(lab: Lab, gen: torch.Generator) -> None:
+def glus(lab: Lab, gen: torch.Generator, types: set[str] | None) -> None:
     for name, n, k in GLUS:
+        if types and name not in types:
+            continue
         g, u = rand_rows(name, n, k, gen), rand_rows(name, n, k, gen)
         tid = G.gemv_type(name).type_id
         gd, ud = quants.dequantize(g, tid, k).double(), quants.dequantize(u, tid, k).double()
         nbytes = 2 * g.numel()
         copies = max(4, min(96, math.ceil(BANK_BYTES / nbytes)))
         bank = [(rand_rows(name, n, k, gen), rand_rows(name, n, k, gen)) for _ in range(copies)]
-        x = torch.randn(1, k, generator=gen, device="cuda").to(torch.bfloat16)
+        x = torch.randn(1, k, generator=gen, device="cuda").to(torch.bfloat16).to(X_DTYPE[0])
         out = torch.empty(1, n, device="cuda")
         want = torch.nn.functional.silu(x.double() @ gd.T) * (x.double() @ ud.T)
 
@@ -146,16 +158,19 @@ def glus(lab: Lab, gen: torch.Generator) -> None:
         torch.cuda.empty_cache()
 
 
-def experts(lab: Lab, gen: torch.Generator) -> None:
+def experts(lab: Lab, gen: torch.Generator, types: set[str] | None) -> None:
     n_exp, slots = 256, 10
     for name, mode, n, k in EXPERTS:
+        if types and name not in types:
+            continue
         tid = G.gemv_type(name).type_id
         sg = rand_rows(name, n_exp * n, k, gen).view(n_exp, n, -1)
         su = rand_rows(name, n_exp * n, k, gen).view(n_exp, n, -1) if mode == "glu" else None
         nbytes = slots * n * sg.shape[-1] * (2 if mode == "glu" else 1)
         id_sets = [torch.randperm(n_exp, generator=gen, device="cuda")[:slots].to(torch.int32) for _ in range(48)]
         sw = torch.softmax(torch.randn(slots, generator=gen, device="cuda"), 0)
-        x = torch.randn(1 if mode == "glu" else slots, k, generator=gen, device="cuda").to(torch.bfloat16)
+        x = torch.randn(1 if mode == "glu" else slots, k, generator=gen, device="cuda")
+        x = x.to(torch.bfloat16).to(X_DTYPE[0])
         ids0 = id_sets[0]
 
         def want() -> torch.Tensor:
@@ -191,12 +206,17 @@ def experts(lab: Lab, gen: torch.Generator) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--types", nargs="*", default=None, help="only the cases of these ggml types (e.g. Q6_K)")
+    ap.add_argument("--x", choices=("bf16", "fp32"), default="bf16",
+                    help="the inputs' dtype (the same bf16 values): fp32 spares the kernels their conversion")
     args = ap.parse_args()
+    X_DTYPE[0] = torch.float32 if args.x == "fp32" else torch.bfloat16
+    types = set(args.types) if args.types else None
     gen = torch.Generator(device="cuda").manual_seed(0)
     lab = Lab()
-    matrices(lab, gen)
-    glus(lab, gen)
-    experts(lab, gen)
+    matrices(lab, gen, types)
+    glus(lab, gen, types)
+    experts(lab, gen, types)
     print(f"copy bandwidth {lab.bw / 1e12:.2f} TB/s")
     print(f"{'case':<34}{'shape':>16}{'us':>9}{'frac':>7}{'err':>10}")
     for r in lab.rows:
@@ -205,7 +225,7 @@ def main() -> int:
         else:
             print(f"{r['case']:<34}{r['shape']:>16}{r['us']:>9.1f}{r['frac']:>7.2f}{r['err']:>10.1e}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"copy_bw": lab.bw, "rows": lab.rows}, indent=1))
+        Path(args.out).write_text(json.dumps({"copy_bw": lab.bw, "x": args.x, "rows": lab.rows}, indent=1))
     return 0
 
 

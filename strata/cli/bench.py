@@ -24,6 +24,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-stages", action="store_true", help="skip the per-stage table")
     p.add_argument("--profile", action="store_true",
                    help="also list the kernels one eager decode step launches (count, device time, largest)")
+    p.add_argument("--timeline", action="store_true",
+                   help="with --profile: also record every kernel of one graph replay in order (name, start and "
+                        "end in microseconds from the replay's start) in the report")
     p.add_argument("--commit", default=None,
                    help="commit id to record in the report (default: git rev-parse HEAD; for copies without .git)")
     p.add_argument("--reference-ops", action="store_true", help="use the reference ops, not the Triton kernels")
@@ -84,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
               "decode": []}
     for ctx in contexts:
         r = bench.bench_decode(model, ctx, args.tokens, args.runs, stage_table=not args.no_stages,
-                               profile=args.profile and ctx == contexts[0], split=not args.no_split)
+                               profile=args.profile and ctx == contexts[0], split=not args.no_split,
+                               timeline=args.timeline)
         b = bench.token_bytes(weights, ctx)
         r["bytes_per_token"] = b
         r["floor_ms"] = b["total"] / bw * 1e3

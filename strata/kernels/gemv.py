@@ -139,6 +139,7 @@ _TYPE_LIST: tuple[GemvType, ...] = (
     GemvType("Q8_0_R", 1009, 256, 272, gb.decode_q8_0_r, 4, 1, block_n=4, f16_fields=tuple(range(0, 16, 2))),
     GemvType("Q4_K_R", 1012, 256, 144, gb.decode_q4_k_r, 5, 1, block_n=8, num_warps=8, f16_fields=(0, 2)),
     GemvType("Q5_1_R", 1007, 128, 96, gb.decode_q5_1_r, 5, 2, block_n=8, f16_fields=(0, 2, 4, 6, 8, 10, 12, 14)),
+    GemvType("Q6_K_R", 1114, 256, 224, gb.decode_q6_k_r, 4, 1, block_n=8, f16_fields=(208,)),
 )
 
 GEMV_TYPES: dict[int, GemvType] = {t.type_id: t for t in _TYPE_LIST}

@@ -746,3 +746,28 @@ def decode_q6_k_p(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
     l // 16] and d. [BN, 4 = g (h = g // 2, a = g % 2), 8 = u, 2, 2 = byte t, 2 = nibble n]; one super-block per
     chunk."""
     return unpack_q6_k_p(load_q6_k_p(rp, tab, BN, NB), tab, BN, NB)
+
+
+@triton.jit
+def decode_q6_k_r(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """Q6_K_R (`strata.weights.repack`): {scales[16]; group c < 4: nibbles[32], highs[16]; fp16 d; pad}, byte by
+    byte, for the launches the row-register GEMV does not take. Nibble byte i = 4w + b of group c holds weights
+    64c + 8b + w (low) and + 32 (high); their top bits are bits 2a and 4 + 2a (a = w // 4) of high byte
+    4 (w % 4) + b. [BN, 4 = c, 32 = i, 2 = nibble]; one super-block per chunk."""
+    tl.static_assert(NB == 1, "decode_q6_k_r: one super-block per chunk")
+    c = tl.arange(0, 4)[:, None]
+    i = tl.arange(0, 32)[None, :]
+    w = i // 4
+    b = i % 4
+    gp = rp[:, None, None] + 16 + (c * 48)[None]
+    nb = _u8(gp + i[None])
+    hb = _u8(gp + (32 + 4 * (w % 4) + b)[None])
+    a2 = (2 * (w // 4))[None]
+    lo = (nb & 15) | (((hb >> a2) & 3) << 4)
+    hi = (nb >> 4) | (((hb >> (4 + a2)) & 3) << 4)
+    d = _f16(rp + 208)[:, None, None]
+    sp = rp[:, None, None] + (4 * c + b // 2)[None]
+    sc_lo = _i2f(_u8(sp) ^ 0x80, 128.0) * d
+    sc_hi = _i2f(_u8(sp + 2) ^ 0x80, 128.0) * d
+    xo = c * 64 + _word_order(i)
+    return tl.join(_i2f(lo, 32.0) * sc_lo, _i2f(hi, 32.0) * sc_hi), tl.join(xo, xo + 32)

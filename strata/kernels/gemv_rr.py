@@ -40,9 +40,9 @@ import triton.language as tl
 from strata.kernels import gemv_blocks as gb
 from strata.kernels import pdl
 
-ROW_REGISTER_TYPES = ("Q4_K_R", "Q8_0_R", "Q5_1_R")
+ROW_REGISTER_TYPES = ("Q4_K_R", "Q8_0_R", "Q5_1_R", "Q6_K_R")
 
-_BASE = {"Q4_K_R": 0x3F000000, "Q8_0_R": 0x3F800000, "Q5_1_R": 0x3F000000}
+_BASE = {"Q4_K_R": 0x3F000000, "Q8_0_R": 0x3F800000, "Q5_1_R": 0x3F000000, "Q6_K_R": 0x3F000000}
 """The fp32 bits each type's bytes are permuted into (see the module docstring)."""
 
 
@@ -222,6 +222,60 @@ def _q5_1_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, B
 
 
 @triton.jit
+def _q6_k_r_load(wp, sb, c, k):
+    """One chunk of Q6_K_R rows: group c's nibble words k and 4 + k and high word k, its scale word (scales 4c..4c
+    + 3) and the word of d, of super-blocks sb."""
+    bp = wp + sb * 56
+    gp = bp + 4 + c * 12
+    return tl.load(gp + k), tl.load(gp + 4 + k), tl.load(gp + 8 + k), tl.load(bp + c), tl.load(bp + 52)
+
+
+@triton.jit
+def _q6_k_r_fma(acc, raw, xb, base, ASM: tl.constexpr):
+    """acc += the chunk's weights times x (xb: x at the first weight of each thread's words). The top two bits
+    land on bits 4-5 of each nibble byte by one shift and one mask, and w = S (q - 32) = fma(0.5 + q / 256, 256 S,
+    -160 S) with S = d sc: 160 S is exact (S has at most 19 significant bits), so the FMA rounds S (q - 32) once,
+    as Q6_K's decoder does."""
+    v0, v1, vh, sw, dw = raw
+    d = _f16_lo(dw)
+    s0 = d * ((sw << 24) >> 24).to(tl.float32)  # the int8 scales of sub-blocks 4c .. 4c + 3
+    s1 = d * ((sw << 16) >> 24).to(tl.float32)
+    s2 = d * ((sw << 8) >> 24).to(tl.float32)
+    s3 = d * (sw >> 24).to(tl.float32)
+    l0 = (v0 & 0x0F0F0F0F) | ((vh << 4) & 0x30303030)
+    l1 = (v1 & 0x0F0F0F0F) | ((vh << 2) & 0x30303030)
+    u0 = ((v0 >> 4) & 0x0F0F0F0F) | (vh & 0x30303030)
+    u1 = ((v1 >> 4) & 0x0F0F0F0F) | ((vh >> 2) & 0x30303030)
+    for b in tl.static_range(4):
+        s_lo = s0 if b < 2 else s1
+        s_hi = s2 if b < 2 else s3
+        acc += tl.fma(_nibble(l0, base, b, ASM), 256.0 * s_lo, -160.0 * s_lo) * tl.load(xb + 8 * b).to(tl.float32)
+        acc += tl.fma(_nibble(l1, base, b, ASM), 256.0 * s_lo, -160.0 * s_lo) * tl.load(xb + 8 * b + 4).to(tl.float32)
+        acc += tl.fma(_nibble(u0, base, b, ASM), 256.0 * s_hi, -160.0 * s_hi) * tl.load(xb + 32 + 8 * b).to(tl.float32)
+        acc += tl.fma(_nibble(u1, base, b, ASM), 256.0 * s_hi, -160.0 * s_hi) * tl.load(xb + 36 + 8 * b).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _q6_k_r_rows(rp, xp, base, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr, ASM: tl.constexpr,
+                 GDC: tl.constexpr):
+    """`_q4_k_r_rows` for Q6_K_R rows: NCH super-blocks of 224 bytes."""
+    wp = rp.to(tl.pointer_type(tl.int32))[:, None, None, None]
+    s = tl.arange(0, SBC)[None, :, None, None]
+    c = tl.arange(0, 4)[None, None, :, None]
+    k = tl.arange(0, 4)[None, None, None, :]
+    NIT: tl.constexpr = NCH // SBC
+    nxt = _q6_k_r_load(wp, s, c, k)
+    pdl.wait(GDC)
+    acc = tl.zeros([BR, SBC, 4, 4], tl.float32)
+    for it in tl.range(0, NIT):
+        cur = nxt
+        nxt = _q6_k_r_load(wp, tl.minimum(it + 1, NIT - 1) * SBC + s, c, k)
+        acc = _q6_k_r_fma(acc, cur, xp + (it * SBC + s) * 256 + c * 64 + k, base, ASM)
+    return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+
+
+@triton.jit
 def _store(optr, v, rows, N):
     """out[rows] = v, rounded once to out's element type (`gemv_blocks.cast`)."""
     tl.store(optr + rows, gb.cast(v, optr.dtype.element_ty), mask=rows < N)
@@ -279,8 +333,11 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
     elif KIND == "Q8_0_R":
         res = _q8_0_r_rows(rp, xp, tl.full([BR, SBC, 8, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
                            GDC and not HAS_IDS)
-    else:
+    elif KIND == "Q5_1_R":
         res = _q5_1_r_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
+                           GDC and not HAS_IDS)
+    else:
+        res = _q6_k_r_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, NC, SBC, BR, ASM,
                            GDC and not HAS_IDS)
     pdl.started(GDC)
     last = 1
@@ -304,7 +361,7 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
         _store(optr, res, pid * BR + r, N * last)
 
 
-CHUNK = {"Q4_K_R": (256, 144), "Q8_0_R": (256, 272), "Q5_1_R": (128, 96)}
+CHUNK = {"Q4_K_R": (256, 144), "Q8_0_R": (256, 272), "Q5_1_R": (128, 96), "Q6_K_R": (256, 224)}
 """(weights, bytes) of one loop chunk of each type: a super-block, or a group of 8 (Q8_0_R) or 4 (Q5_1_R)
 blocks."""
 
@@ -315,7 +372,7 @@ def launch_shape(kind: str, n_chunks: int, tiles: int = 1 << 30) -> tuple[int, i
     step of one, for an odd count), 4 Q8_0_R rows, 8 Q5_1_R rows. The launches are latency-bound, so the K loop is
     split over more programs when there are few row tiles and many chunks. 2 or 4 rows per thread, or
     prefetching a further chunk, measured slower or equal (bench/results/2026-12-04-h200-gemv-rr-lab*.json)."""
-    if kind == "Q4_K_R":
+    if kind in ("Q4_K_R", "Q6_K_R"):
         br, sbc, warps = (8, 2, 2) if n_chunks % 2 == 0 else (16, 1, 2)
     elif kind == "Q8_0_R":
         br, sbc, warps = 4, 1, 1

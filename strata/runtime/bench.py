@@ -164,9 +164,10 @@ def git_commit() -> str:
 
 
 def bench_decode(model: Model, context: int, tokens: int = 64, runs: int = 3, seed: int = 0,
-                 stage_table: bool = True, profile: bool = False, split: bool = True) -> dict:
+                 stage_table: bool = True, profile: bool = False, split: bool = True, timeline: bool = False) -> dict:
     """Decode ms/token at `context` through the captured step (split at the first PLE layer unless `split` is
-    False), and the per-stage table."""
+    False), and the per-stage table; with `profile` the kernels of a step, and with `timeline` every kernel of one
+    replay (`replay_profile`)."""
     dev = model.device
     gen = torch.Generator(device=dev).manual_seed(seed)
     step = DecodeStep(model, capacity=context + tokens * (runs + 2) + 8, capture=True, split=split)
@@ -215,7 +216,7 @@ def bench_decode(model: Model, context: int, tokens: int = 64, runs: int = 3, se
     out["tok_per_s"] = 1e3 / out["ms_per_token"]
     if profile:
         out["kernels"] = kernel_profile(step)
-        out["replay_kernels"] = replay_profile(step)
+        out["replay_kernels"] = replay_profile(step, timeline=timeline)
     if stage_table:
         times = StageTimes()
         prof = Model(model.w, model.dtype, model.device, timed_ops(step.model.ops, model.cfg, times))
@@ -255,10 +256,12 @@ def kernel_profile(step: DecodeStep, top: int = 40) -> dict:
             "top": [{"kernel": k[:80], "count": len(v), "ms": round(sum(v), 4)} for k, v in ranked]}
 
 
-def replay_profile(step: DecodeStep, top: int = 40) -> dict:
+def replay_profile(step: DecodeStep, top: int = 40, timeline: bool = False) -> dict:
     """Where one graph replay's time goes when kernels overlap (PDL, side streams): kernels sorted by end time,
     each charged the time by which it moves the latest end so far (its *marginal* time; the charges add up to
-    the replay's span). A kernel hidden behind others is charged ~0 however long it runs."""
+    the replay's span). A kernel hidden behind others is charged ~0 however long it runs. With `timeline`, also
+    every kernel as [name, start us, end us] from the replay's start, in start order (to find which launch of a
+    kernel, e.g. which of a layer's GEMVs, the time goes to)."""
     from torch.profiler import ProfilerActivity, profile
 
     step.replay()
@@ -277,8 +280,12 @@ def replay_profile(step: DecodeStep, top: int = 40) -> dict:
         marginal[name].append(max(0.0, end - frontier) / 1e3)
         frontier = max(frontier, end)
     ranked = sorted(marginal.items(), key=lambda kv: -sum(kv[1]))[:top]
-    return {"launches": len(spans), "span_ms": (frontier - start) / 1e3,
-            "top": [{"kernel": k[:80], "count": len(v), "marginal_ms": round(sum(v), 4)} for k, v in ranked]}
+    out = {"launches": len(spans), "span_ms": (frontier - start) / 1e3,
+           "top": [{"kernel": k[:80], "count": len(v), "marginal_ms": round(sum(v), 4)} for k, v in ranked]}
+    if timeline:
+        out["timeline"] = [[name[:60], round(s - start, 2), round(end - start, 2)]
+                           for end, s, name in sorted(spans, key=lambda t: t[1])]
+    return out
 
 
 def bench_prefill(model: Model, tokens: int, seed: int = 0) -> dict:

@@ -88,6 +88,7 @@ _SUPPORTED: tuple[tuple[GGMLType, Decoder], ...] = (
     (GGMLType(repack.Q8_0_R_ID, "Q8_0_R", 256, 272), repack.q8_0_r),
     (GGMLType(repack.Q4_K_R_ID, "Q4_K_R", 256, 144), repack.q4_k_r),
     (GGMLType(repack.Q5_1_R_ID, "Q5_1_R", 128, 96), repack.q5_1_r),
+    (GGMLType(repack.Q6_K_R_ID, "Q6_K_R", 256, 224), repack.q6_k_r),
 )
 
 GGML_TYPES: dict[int, GGMLType] = {t.id: t for t, _ in _SUPPORTED}

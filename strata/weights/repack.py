@@ -22,7 +22,13 @@ Q4_K_R and Q8_0_R order each block's quants for the row-register GEMV (`strata.k
   nibble bytes byte 4w + b is taken from byte 4b + w (its low nibble is weight 4b + w, its high one 16 + 4b + w),
   and the fifth bits are moved so that bit 4 of byte b of (qh >> w) is weight 4b + w's and bit 4 of byte b of
   (qh << (4 - w)) weight 16 + 4b + w's: qh bit 8b + 4 + w, and bit 8b + w.
-All keep the bytes and the size of their ggml type.
+* Q6_K_R: a Q6_K block as {int8 scales[16]; group c < 4: nibbles[32], highs[16]; fp16 d; 14 zero bytes}, 224
+  bytes like Q6_K_P. Group c holds weights 64c..64c+63 (sub-blocks 4c..4c+3, whose scales are word c of the
+  header): byte b of nibble word w (w < 8) has weight 8b + w of the group in its low nibble and weight 32 + 8b + w
+  in its high one, as Q4_K_R; bits 2i..2i+1 of byte b of high word w (w < 4) are the top two bits of weight
+  8b + w + 4 (i % 2) + 32 (i // 2), so one shift and one mask put them on bits 4-5 of the nibble bytes they
+  belong to.
+All but Q6_K_R keep the bytes and the size of their ggml type.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ Q5_1_ID = 7
 Q5_1_R_ID = 1007
 Q6_K_ID = 14
 Q6_K_P_ID = 1014
+Q6_K_R_ID = 1114
 Q6_K_BYTES, Q6_K_P_BYTES = 210, 224
 FIRST_REPACKED_ID = 1000
 """Ids of strata's repacked types start here, far above ggml's."""
@@ -172,6 +179,64 @@ def pad_q6_k(rows: Tensor, k: int) -> Tensor:
     b = rows.reshape(*lead, k // 256, Q6_K_BYTES)
     pad = b.new_zeros(*lead, k // 256, Q6_K_P_BYTES - Q6_K_BYTES)
     return torch.cat([b, pad], -1).reshape(*lead, -1)
+
+
+_Q6_K_R_GROUP = 48
+"""Bytes of one Q6_K_R group (64 weights): 32 nibble bytes, 16 bytes of high bits."""
+
+
+def _q6_values(blocks: Tensor) -> Tensor:
+    """(n, 210) Q6_K blocks -> (n, 256) int64 6-bit values q (the weight is d sc (q - 32))."""
+    n = blocks.shape[0]
+    b = blocks.to(torch.int64)
+    ql = b[:, :128].reshape(n, 2, 2, 32)  # [half, a, l]: ql[64 half + 32 a + l]
+    qh = b[:, 128:192].reshape(n, 2, 1, 32)  # [half, -, l]
+    q = torch.empty(n, 2, 2, 2, 32, dtype=torch.int64, device=blocks.device)  # [half, nibble, a, l]
+    for nib in range(2):
+        for a in range(2):
+            q[:, :, nib, a] = ((ql[:, :, a] >> (4 * nib)) & 15) | (((qh[:, :, 0] >> (4 * nib + 2 * a)) & 3) << 4)
+    return q.reshape(n, 256)  # element 128 half + 64 nibble + 32 a + l
+
+
+def _reorder_q6_k(rows: Tensor, k: int) -> Tensor:
+    n = rows.shape[0]
+    nb = k // 256
+    blocks = rows.reshape(n * nb, Q6_K_BYTES)
+    q = _q6_values(blocks).reshape(-1, 4, 2, 32)  # [block, group c, low/high half of the group, 8b + w]
+    nib = _transpose_words((q[:, :, 0] & 15) | ((q[:, :, 1] & 15) << 4))  # byte 4w + b = weights 8b + w, 32 + 8b + w
+    hi = (q >> 4).reshape(-1, 4, 2, 4, 2, 4)  # [.., half, b, w4 = w // 4, w % 4]
+    high = (hi[:, :, 0, :, 0] | (hi[:, :, 0, :, 1] << 2) | (hi[:, :, 1, :, 0] << 4) | (hi[:, :, 1, :, 1] << 6))
+    high = high.transpose(-1, -2).reshape(-1, 4, 16)  # byte 4w + b of the high words
+    groups = torch.cat([nib, high], -1).to(torch.uint8).reshape(-1, 4 * _Q6_K_R_GROUP)
+    pad = blocks.new_zeros(blocks.shape[0], Q6_K_P_BYTES - Q6_K_BYTES)
+    out = torch.cat([blocks[:, 192:208], groups, blocks[:, 208:210], pad], -1)
+    return out.reshape(n, nb * Q6_K_P_BYTES)
+
+
+def reorder_q6_k(rows: Tensor, k: int) -> Tensor:
+    """(..., k/256*210) Q6_K rows -> the same weights as Q6_K_R rows (224 bytes per block); a new tensor."""
+    lead = rows.shape[:-1]
+    flat = rows.reshape(-1, rows.shape[-1])
+    out = torch.empty(flat.shape[0], k // 256 * Q6_K_P_BYTES, dtype=torch.uint8, device=rows.device)
+    step = max(1, (64 << 20) // max(1, flat.shape[1] * 16))  # the int64 temporaries: ~16x the chunk's bytes
+    for i in range(0, flat.shape[0], step):
+        out[i:i + step] = _reorder_q6_k(flat[i:i + step], k)
+    return out.reshape(*lead, -1)
+
+
+def q6_k_r(blocks: Tensor) -> Tensor:
+    """(n, 224) Q6_K_R blocks -> (n, 256) float32: w = d sc (q - 32), as Q6_K's decoder computes it."""
+    n = blocks.shape[0]
+    b = blocks.to(torch.int64)
+    sc = blocks[:, :16].view(torch.int8).to(torch.float32)
+    d = blocks[:, 208:210].contiguous().view(torch.float16).to(torch.float32)
+    g = b[:, 16:208].reshape(n, 4, _Q6_K_R_GROUP)
+    nib = _untranspose_words(g[..., :32])  # byte 8b + w: weights 8b + w (low), 32 + 8b + w (high)
+    high = g[..., 32:].reshape(n, 4, 4, 4).transpose(-1, -2)  # [.., b, w4]: bits of weights 8b + w4 (+4, +32, +36)
+    top = torch.stack([(high >> (2 * i)) & 3 for i in range(4)], -1).reshape(n, 4, 4, 4, 2, 2)  # [.., b, w4, h, a]
+    top = top.permute(0, 1, 4, 2, 5, 3).reshape(n, 4, 2, 32)  # [c, h, 8b + 4a + w4]
+    q = torch.stack([nib & 15, nib >> 4], 2) | (top << 4)  # [c, h, 8b + w]
+    return (d * sc.repeat_interleave(16, 1)) * (q.reshape(n, 256) - 32).to(torch.float32)
 
 
 def repack_rows(data: Tensor, type_id: int, k: int) -> tuple[Tensor, int]:
