@@ -305,6 +305,27 @@ def test_decode_rows_of_stored_rows_equals_rows(monkeypatch) -> None:
         table.stored_rows(torch.tensor([40]))
 
 
+@pytest.mark.parametrize("name", ["Q6_K_R", "Q4_K", "IQ4_NL"])
+def test_embed_triton_equals_rows(name: str, monkeypatch) -> None:
+    """The Triton embedding (gather the stored rows, decode them in one launch) gives what the table's `rows`
+    gives, in fp32 and bf16, for repeated ids; a dense table goes to the reference."""
+    rng = np.random.default_rng(zlib_seed(name) + 15)
+    k = k_for(name)
+    table = QuantTensor("embed", random_blocks(name, 12, k, rng), G.gemv_type(name).type_id, (12, k))
+    dense = DenseTensor("d", torch.randn(12, k, generator=torch.Generator().manual_seed(15)))
+    ids = torch.tensor([[11, 0, 11, 5]])
+    monkeypatch.setattr(K_OPS, "_on_gpu", lambda x: True)
+    launches: list[str] = []
+    real = K_OPS.dequantize_rows
+    monkeypatch.setattr(K_OPS, "dequantize_rows", lambda *a, **kw: (launches.append(a[1]), real(*a, **kw))[1])
+    for dtype in (torch.float32, torch.bfloat16):
+        got = K_OPS.embed_triton(ids, table, dtype)
+        assert got.shape == (1, 4, k) and got.dtype == dtype
+        assert torch.equal(got, table.rows(ids, dtype)), dtype
+        assert torch.equal(K_OPS.embed_triton(ids, dense, dtype), dense.rows(ids, dtype))
+    assert launches == [name, name]
+
+
 @pytest.mark.parametrize("kind", ["quant", "sharded", "dense", "bf16", "one-shard bf16", "sharded bf16"])
 def test_stored_rows_into_equals_stored_rows(kind: str, monkeypatch) -> None:
     """The decode step's gather into its host buffer (`stored_rows_into`: numpy over the rows' bytes for host
@@ -340,8 +361,9 @@ def test_triton_ops_replaces_only_its_entries() -> None:
     def marker(*args: object) -> None:
         return None
 
-    ops = K_OPS.triton_ops(Ops(embed=marker))
-    assert ops.linear is K_OPS.linear_triton and ops.experts is K_OPS.experts_triton and ops.embed is marker
+    ops = K_OPS.triton_ops(Ops(route=marker))
+    assert ops.linear is K_OPS.linear_triton and ops.experts is K_OPS.experts_triton and ops.route is marker
+    assert ops.embed is K_OPS.embed_triton
     assert K_OPS.triton_ops().gdn_core is Ops().gdn_core
     assert K_OPS.stored_rows(DenseTensor("d", torch.zeros(2, 3, dtype=torch.int32))) is None
 

@@ -30,13 +30,18 @@ BANK_BYTES = 800 << 20
 SRC = {"Q4_K_R": ("Q4_K", repack.reorder_q4_k), "Q8_0_R": ("Q8_0", repack.reorder_q8_0),
        "Q5_1_R": ("Q5_1", repack.reorder_q5_1), "Q6_K_R": ("Q6_K", repack.reorder_q6_k)}
 MATRICES = [("Q8_0", 16432, 2560), ("Q8_0", 2560, 6144), ("Q8_0", 13952, 2560), ("Q4_K", 10240, 2560),
-            ("Q6_K", 248320, 2560)]
+            ("Q6_K", 248320, 2560), ("Q8_0", 248320, 2560)]
 """(ggml type, N, K): the GDN and QSA projection groups, the out projections, a Q4_K matrix, the head."""
 GLUS = [("Q8_0", 640, 2560)]
 """(type, I, K): the shared expert's gate/up."""
 EXPERTS = [("Q4_K", "glu", 640, 2560), ("Q5_1", "sum", 2560, 640)]
 """(type, kind, N, K) of the routed experts' launches: gate/up GLU, down with the weighted slot sum (10 of 256)."""
 SPLITS = (1, 2, 4, 8)
+HEAD_SHAPES = {"Q6_K_R": [(16, 2, 4, 1), (32, 2, 8, 1), (64, 2, 16, 1), (16, 1, 2, 1), (32, 1, 4, 1), (64, 1, 8, 1),
+                          (16, 2, 2, 1), (32, 2, 4, 1)],
+               "Q8_0_R": [(8, 1, 2, 1), (16, 1, 4, 1), (32, 1, 8, 1), (64, 1, 16, 1), (8, 1, 1, 1), (16, 1, 2, 1)]}
+"""(rows, chunks per step, warps, split) tried on head-sized matrices: one row per thread at more warps, then 2-4
+rows per thread."""
 X_DTYPE = [torch.bfloat16]
 """The dtype the GEMV inputs are given in (`--x`): bf16 values either way."""
 
@@ -116,6 +121,14 @@ def matrices(lab: Lab, gen: torch.Generator, types: set[str] | None) -> None:
                 G._launch_rr(t, x, b, None, out, n, k, 1, 0, 0, 0, None, 0, None, None, shape)
                 return out
             lab.case(f"{kind} {label}", f"{n}x{k}", fn, br, nbytes, err(fn(wr)))
+        if kind in HEAD_SHAPES and n >= 100_000:  # bandwidth-bound: bigger programs, rows per thread, shared x
+            for shape in HEAD_SHAPES[kind]:
+                for xs in (False, True):
+                    def fn(b, shape=shape, xs=xs):
+                        gemv_rr.launch(kind, x, b, None, out, n, k, 1, 0, 0, 0, None, 0, shape, G._split_sum, out,
+                                       out, None, pdl.launch(x.device), x_shared=xs)
+                        return out
+                    lab.case(f"{kind} rr {shape}{' xs' if xs else ''}", f"{n}x{k}", fn, br, nbytes, err(fn(wr)))
         with pdl.enabled(False):  # back-to-back launches of one kernel: PDL's early programs hold SM slots
             lab.case(f"{name} generic no-pdl", f"{n}x{k}", lambda b: G.gemv(x, b, name, k, out=out),
                      [b for b in bank], nbytes, err(G.gemv(x, w, name, k)))

@@ -10,6 +10,8 @@
 * `linears_triton(x, ws, biases, linear)`: weights stored back to back (`placement.fuse_rows`) as one GEMV.
 * `mlp_triton(x, gate, up, down, linear)`: gate/up/SiLU as one GEMV launch, then down.
 * `decode_rows_triton(stored, table, dtype)`: table rows the host gathered as stored, decoded on the device.
+* `embed_triton(ids, table, dtype)`: embedding rows gathered as stored and decoded in one launch (the reference's
+  decoders are a few dozen small PyTorch kernels per call, ~80 us of a captured decode step).
 * `experts_triton(a, top_i, top_w, gate, up, down, linear)`: the routed experts of a MoE layer in three launches
   (gate/up/SiLU over all L*k selected slots; down over the slots; the weighted sum over each token's slots; for
   one token the last two are one launch, `gemv_experts_sum`) with
@@ -32,7 +34,7 @@ from strata.kernels.gemv import (GEMV_TYPE_NAMES, MAX_TOKENS, OUT_DTYPES, dequan
                                  gemv_experts_glu, gemv_experts_sum, gemv_glu)
 from strata.kernels.moe import slot_sum
 from strata.model.experts import experts_gather, experts_ref
-from strata.model.ops import Ops, linear_ref, linears_ref, mlp_ref
+from strata.model.ops import Ops, embed_ref, linear_ref, linears_ref, mlp_ref
 from strata.model.ple import decode_rows_ref
 from strata.weights.tensor import DenseTensor, StoredTensor, raw_rows
 
@@ -212,8 +214,21 @@ def decode_rows_triton(stored: torch.Tensor, table: StoredTensor, dtype: torch.d
     return decode_rows_ref(stored, table, dtype)
 
 
+def embed_triton(ids: torch.Tensor, table: StoredTensor, dtype: torch.dtype) -> torch.Tensor:
+    """`Ops.embed`: rows of a quantized 2-D table in device memory gathered as stored (no range check, so no host
+    synchronisation: ids are checked when they are staged) and decoded in one launch (`dequantize_rows`);
+    anything else by the reference."""
+    raw = raw_rows(table) if table.kind in GEMV_TYPE_NAMES and len(table.shape) == 2 else None
+    if (raw is not None and raw.dtype == torch.uint8 and _on_gpu(ids) and raw.device == ids.device
+            and dtype in OUT_DTYPES and ids.numel() > 0):
+        cols = table.shape[1]
+        stored = raw.index_select(0, ids.reshape(-1).to(torch.int64))
+        return dequantize_rows(stored, table.kind, cols, dtype).reshape(*ids.shape, cols)
+    return embed_ref(ids, table, dtype)
+
+
 def triton_ops(base: Ops | None = None) -> Ops:
-    """`base` (default `Ops()`) with `linear`, `linears`, `mlp`, `experts` and `decode_rows` run by the Triton
-    GEMV kernels; other entries unchanged."""
+    """`base` (default `Ops()`) with `linear`, `linears`, `mlp`, `experts`, `decode_rows` and `embed` run by the
+    Triton GEMV kernels; other entries unchanged."""
     return dataclasses.replace(base or Ops(), linear=linear_triton, linears=linears_triton, mlp=mlp_triton,
-                               experts=experts_triton, decode_rows=decode_rows_triton)
+                               experts=experts_triton, decode_rows=decode_rows_triton, embed=embed_triton)
