@@ -108,3 +108,31 @@ def test_norm_rope_only_ops_match_reference(tiny_weights):
     fast = Engine(tiny_weights, ops=Ops(norm_rope=fused_ops(Ops(), force=True).norm_rope))
     ids = torch.randint(2, ref.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(5)).tolist()
     reference.assert_decodes_match(ref, fast, ids, prompt=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_tables_match_reference(dtype):
+    """One launch (`rope_at`) gives `Rope.at`'s four tables: the same fp32 angles, cos/sin within one fp32 ulp
+    (the interpreter's numpy against torch), each rounded once to the model dtype (so at most one bf16 ulp
+    apart where the fp32 values straddle a rounding boundary); positions up to the real context length."""
+    from strata.model.qsa import Rope
+
+    cfg = ModelConfig.from_hf_dict(reference.CONFIGS["tiny"])
+    pos = torch.tensor([0, 3, 4, 5, 17, 4095, 131071, 262143])
+    got, want = norm_rope.rope_at(pos, cfg, dtype), Rope.at(pos, cfg, dtype)
+    for name in ("cos", "sin", "block_cos", "block_sin"):
+        g, w = getattr(got, name), getattr(want, name)
+        assert g.shape == w.shape == (len(pos), cfg.rotary_dim) and g.dtype == dtype, name
+        tol = 2 ** -23 if dtype == torch.float32 else ulp_bf16(w)
+        assert ((g.float() - w.float()).abs() <= tol).all(), name
+    c = cfg.indexer_compress_ratio
+    assert c > 1 and torch.equal(got.block_sin, norm_rope.rope_at(pos // c * c, cfg, dtype).sin)
+    assert fused_ops(Ops()).rope is not Rope.at and fused_ops(Ops()).rope(pos, cfg, dtype).cos.equal(want.cos)
+
+
+def test_rope_only_ops_match_reference(tiny_weights):
+    """Only the RoPE tables replaced: the decode equals the reference path."""
+    ref = Engine(tiny_weights)
+    fast = Engine(tiny_weights, ops=Ops(rope=fused_ops(Ops(), force=True).rope))
+    ids = torch.randint(2, ref.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(6)).tolist()
+    reference.assert_decodes_match(ref, fast, ids, prompt=4)

@@ -314,13 +314,18 @@ def _k4_unpack(b0, b4, b8, low):
 
 @triton.jit
 def _q4_k_bytes(rp, NB: tl.constexpr, WORD_ORDER: tl.constexpr):
-    """Q4_K super-blocks read byte by byte (NB per chunk); with WORD_ORDER the nibble bytes are Q4_K_R's (byte 4w + b
-    of a 32-byte group holds weight 8b + w). [BN, NB, 4 = c, 32, 2 = nibble]."""
+    """Q4_K super-blocks read byte by byte (NB per chunk); with WORD_ORDER the nibble bytes are Q4_K_R's (byte b of
+    word w of group c holds weight 8b + w, the words stored side by side, `strata.weights.repack`).
+    [BN, NB, 4 = c, 32, 2 = nibble]."""
     s = tl.arange(0, NB)
     c = tl.arange(0, 4)
     i = tl.arange(0, 32)
     bp = rp[:, None] + s[None, :] * 144
-    qb = _u8(bp[:, :, None, None] + 16 + (c[:, None] * 32 + i[None, :])[None, None, :, :])
+    if WORD_ORDER:  # word w of group c at byte 64 (w // 4) + 16 c + 4 (w % 4)
+        off = c[:, None] * 16 + (i // 16 * 64 + i % 16)[None, :]
+    else:
+        off = c[:, None] * 32 + i[None, :]
+    qb = _u8(bp[:, :, None, None] + 16 + off[None, None, :, :])
     sl, ml = _k4_scale_min_nb(bp + 4, 2 * c)
     sh, mh = _k4_scale_min_nb(bp + 4, 2 * c + 1)
     d = _f16(bp)[:, :, None, None]
@@ -750,18 +755,19 @@ def decode_q6_k_p(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
 
 @triton.jit
 def decode_q6_k_r(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
-    """Q6_K_R (`strata.weights.repack`): {scales[16]; group c < 4: nibbles[32], highs[16]; fp16 d; pad}, byte by
-    byte, for the launches the row-register GEMV does not take. Nibble byte i = 4w + b of group c holds weights
-    64c + 8b + w (low) and + 32 (high); their top bits are bits 2a and 4 + 2a (a = w // 4) of high byte
-    4 (w % 4) + b. [BN, 4 = c, 32 = i, 2 = nibble]; one super-block per chunk."""
+    """Q6_K_R (`strata.weights.repack`): {scales[16]; nibbles[128]; highs[64]; fp16 d; pad}, byte by byte, for the
+    launches the row-register GEMV does not take. Nibble byte i = 4w + b of group c (at 16 + 64 (w // 4) + 16c +
+    4 (w % 4) + b) holds weights 64c + 8b + w (low) and + 32 (high); their top bits are bits 2a and 4 + 2a
+    (a = w // 4) of high byte 4 (w % 4) + b of group c (at 144 + 16c). [BN, 4 = c, 32 = i, 2 = nibble]; one
+    super-block per chunk."""
     tl.static_assert(NB == 1, "decode_q6_k_r: one super-block per chunk")
     c = tl.arange(0, 4)[:, None]
     i = tl.arange(0, 32)[None, :]
     w = i // 4
     b = i % 4
-    gp = rp[:, None, None] + 16 + (c * 48)[None]
-    nb = _u8(gp + i[None])
-    hb = _u8(gp + (32 + 4 * (w % 4) + b)[None])
+    bp = rp[:, None, None]
+    nb = _u8(bp + (16 + 64 * (i // 16) + 16 * c + i % 16)[None])
+    hb = _u8(bp + (144 + 16 * c + 4 * (w % 4) + b)[None])
     a2 = (2 * (w // 4))[None]
     lo = (nb & 15) | (((hb >> a2) & 3) << 4)
     hi = (nb >> 4) | (((hb >> (4 + a2)) & 3) << 4)

@@ -93,10 +93,10 @@ def _k4_scale_min(h1, h2, h3, sh, LOWC):
 
 @triton.jit
 def _q4_k_r_load(wp, sb, c, k):
-    """One chunk of Q4_K_R rows: words 4k..4k+3 and 4k+4..4k+7 of group c's 32 nibble bytes, and the 4 header
-    words, of super-blocks sb (wp: int32 pointers to the rows)."""
+    """One chunk of Q4_K_R rows: words k and 4 + k of group c (the four groups' words 0-3 side by side, then
+    their words 4-7), and the 4 header words, of super-blocks sb (wp: int32 pointers to the rows)."""
     bp = wp + sb * 36
-    return (tl.load(bp + 4 + c * 8 + k), tl.load(bp + 8 + c * 8 + k), tl.load(bp), tl.load(bp + 1),
+    return (tl.load(bp + 4 + c * 4 + k), tl.load(bp + 20 + c * 4 + k), tl.load(bp), tl.load(bp + 1),
             tl.load(bp + 2), tl.load(bp + 3))
 
 
@@ -223,11 +223,11 @@ def _q5_1_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, B
 
 @triton.jit
 def _q6_k_r_load(wp, sb, c, k):
-    """One chunk of Q6_K_R rows: group c's nibble words k and 4 + k and high word k, its scale word (scales 4c..4c
-    + 3) and the word of d, of super-blocks sb."""
+    """One chunk of Q6_K_R rows: group c's nibble words k and 4 + k and high word k (each stored beside the other
+    groups' same word), its scale word (scales 4c..4c + 3) and the word of d, of super-blocks sb."""
     bp = wp + sb * 56
-    gp = bp + 4 + c * 12
-    return tl.load(gp + k), tl.load(gp + 4 + k), tl.load(gp + 8 + k), tl.load(bp + c), tl.load(bp + 52)
+    return (tl.load(bp + 4 + c * 4 + k), tl.load(bp + 20 + c * 4 + k), tl.load(bp + 36 + c * 4 + k),
+            tl.load(bp + c), tl.load(bp + 52))
 
 
 @triton.jit

@@ -1,4 +1,5 @@
-"""Fused RMSNorm + RoPE for one call's heads: the twin of `strata.model.qsa.norm_rope_ref`.
+"""Fused RMSNorm + RoPE for one call's heads (the twin of `strata.model.qsa.norm_rope_ref`), and the RoPE tables
+of a call's positions in one launch (`rope_at`, the twin of `Rope.at`).
 
 Every QSA layer normalises and rotates its indexer query heads, query heads, key heads and (when a block
 completes) pooled block keys; the reference spends ~14 small kernels on each. Here it is one launch with one
@@ -15,7 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.config import ModelConfig
 from strata.kernels import pdl
+from strata.model.qsa import Rope
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -97,3 +100,55 @@ def norm_rope(x: torch.Tensor, scale: torch.Tensor, cos: torch.Tensor, sin: torc
                                     sin.stride(0), eps, D=d, R=r, BD=triton.next_power_of_2(d),
                                     DT=TL_DTYPES[x.dtype], **pdl.launch(x.device))
     return out
+
+
+@triton.jit
+def _rope_kernel(pos_ptr, inv_ptr, out_ptr, L, C, R: tl.constexpr, RH: tl.constexpr, DT: tl.constexpr,
+                 GDC: tl.constexpr = False):
+    """Program (row, t): cos and sin of position row (t = 0) or of its block's first position (t = 1) into tables
+    2t and 2t + 1 of out (4, L, R): fp32 angles pos * inv_freq, precise cos/sin, rounded once to DT."""
+    pdl.started(GDC)
+    pdl.wait(GDC)
+    row = tl.program_id(0)
+    t = tl.program_id(1)
+    p = tl.load(pos_ptr + row)
+    p = tl.where(t == 1, p // C * C, p)
+    j = tl.arange(0, RH)
+    jm = j < R // 2
+    f = p.to(tl.float32) * tl.load(inv_ptr + j, mask=jm, other=0.0)
+    c = _round(tl.cos(f), DT).to(DT)  # libdevice's cosf on CUDA, as torch's
+    s = _round(tl.sin(f), DT).to(DT)
+    cp = out_ptr + ((2 * t) * L + row) * R
+    sp = cp + L * R
+    tl.store(cp + j, c, mask=jm)
+    tl.store(cp + R // 2 + j, c, mask=jm)
+    tl.store(sp + j, s, mask=jm)
+    tl.store(sp + R // 2 + j, s, mask=jm)
+
+
+_INV_FREQ: dict[tuple[str, int, float], torch.Tensor] = {}
+
+
+def _inv_freq(device: torch.device, r: int, theta: float) -> torch.Tensor:
+    """The reference's inverse frequencies (`strata.model.qsa.rope_tables`), made once per device and kept, so a
+    captured step reads a fixed tensor instead of recomputing them (four small kernels)."""
+    key = (str(device), r, float(theta))
+    if key not in _INV_FREQ:
+        _INV_FREQ[key] = 1.0 / (theta ** (torch.arange(0, r, 2, dtype=torch.float32, device=device) / r))
+    return _INV_FREQ[key]
+
+
+def rope_supported(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype) -> bool:
+    return positions.dim() == 1 and dtype in TL_DTYPES and cfg.rotary_dim % 2 == 0 and positions.numel() > 0
+
+
+def rope_at(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype) -> Rope:
+    """The twin of `Rope.at` (the RoPE tables of a call's positions and of their blocks' first positions) in one
+    launch; the reference spends ~14 small kernels on each pair of tables."""
+    r = cfg.rotary_dim
+    L = positions.shape[0]
+    out = torch.empty(4, L, r, dtype=dtype, device=positions.device)
+    _rope_kernel[(L, 2)](positions.contiguous(), _inv_freq(positions.device, r, cfg.rope_theta), out, L,
+                         cfg.indexer_compress_ratio, R=r, RH=triton.next_power_of_2(max(1, r // 2)),
+                         DT=TL_DTYPES[dtype], num_warps=1, **pdl.launch(positions.device))
+    return Rope(out[0], out[1], out[2], out[3])

@@ -91,7 +91,7 @@ class Model:
         cfg = self.cfg
         x = self.ops.embed(inputs.ids, self.w["embed"], self.dtype).repeat(1, cfg.hc_count)
         has_qsa = not all(cfg.is_linear(i) for i in range(cfg.num_hidden_layers))
-        return Carry(x, None, Rope.at(inputs.positions, cfg, self.dtype) if has_qsa else None)
+        return Carry(x, None, self.ops.rope(inputs.positions, cfg, self.dtype) if has_qsa else None)
 
     def run_layers(self, carry: Carry, inputs: StepInputs, state: SequenceState, start: int, stop: int,
                    static: bool = False) -> Carry:

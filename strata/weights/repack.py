@@ -14,20 +14,23 @@ for 6.7% more bytes. Made for 2-D Q6_K matrices placed on a GPU (the output head
 
 Q4_K_R and Q8_0_R order each block's quants for the row-register GEMV (`strata.kernels.gemv_rr`), which reads
 16-byte vectors of words and multiplies the k-th byte of every word by one contiguous run of x:
-* Q4_K_R: the Q4_K block with, in each 32-byte group of nibbles, byte 4w + b taken from byte 8b + w (w < 8, b < 4;
-  nibbles unchanged): the low (high) nibble of byte b of word w is weight 64c + 8b + w (+ 32) of group c.
+* Q4_K_R: the Q4_K block with, in each 32-byte group c of nibbles, byte 4w + b taken from byte 8b + w (w < 8, b < 4;
+  nibbles unchanged): the low (high) nibble of byte b of word w is weight 64c + 8b + w (+ 32) of group c. The
+  groups' words are then stored word-half first: words 4h..4h+3 of group c at byte 16 + 64h + 16c, so the 16-byte
+  vectors that four threads (one per group) load side by side fill whole 32-byte sectors.
 * Q8_0_R: Q8_0_R8's groups {fp16 d[8]; q[8][32]} with every quant stored as q + 128 (an unsigned byte) and, in
   each block, byte 4w + b taken from byte 8b + w: byte b of word w is weight 8b + w of the block.
 * Q5_1_R: four Q5_1 blocks regrouped as {(fp16 d, fp16 m)[4]; qh[4]; qs[4][16]} (96 bytes); in each block's 16
   nibble bytes byte 4w + b is taken from byte 4b + w (its low nibble is weight 4b + w, its high one 16 + 4b + w),
   and the fifth bits are moved so that bit 4 of byte b of (qh >> w) is weight 4b + w's and bit 4 of byte b of
   (qh << (4 - w)) weight 16 + 4b + w's: qh bit 8b + 4 + w, and bit 8b + w.
-* Q6_K_R: a Q6_K block as {int8 scales[16]; group c < 4: nibbles[32], highs[16]; fp16 d; 14 zero bytes}, 224
-  bytes like Q6_K_P. Group c holds weights 64c..64c+63 (sub-blocks 4c..4c+3, whose scales are word c of the
-  header): byte b of nibble word w (w < 8) has weight 8b + w of the group in its low nibble and weight 32 + 8b + w
-  in its high one, as Q4_K_R; bits 2i..2i+1 of byte b of high word w (w < 4) are the top two bits of weight
-  8b + w + 4 (i % 2) + 32 (i // 2), so one shift and one mask put them on bits 4-5 of the nibble bytes they
-  belong to.
+* Q6_K_R: a Q6_K block as {int8 scales[16]; nibbles[128]; highs[64]; fp16 d; 14 zero bytes}, 224 bytes like
+  Q6_K_P. Group c < 4 holds weights 64c..64c+63 (sub-blocks 4c..4c+3, whose scales are word c of the header), in
+  8 nibble words and 4 high words: byte b of nibble word w has weight 8b + w of the group in its low nibble and
+  weight 32 + 8b + w in its high one, as Q4_K_R; bits 2i..2i+1 of byte b of high word w are the top two bits of
+  weight 8b + w + 4 (i % 2) + 32 (i // 2), so one shift and one mask put them on bits 4-5 of the nibble bytes they
+  belong to. Side by side as in Q4_K_R: nibble words 4h..4h+3 of group c at byte 16 + 64h + 16c, high words of
+  group c at 144 + 16c.
 All but Q6_K_R keep the bytes and the size of their ggml type.
 """
 
@@ -82,7 +85,8 @@ def _untranspose_words(q: Tensor) -> Tensor:
 def q4_k_r(blocks: Tensor) -> Tensor:
     """(n, 144) Q4_K_R blocks -> (n, 256) float32: the nibble bytes back in Q4_K order, then Q4_K's decoder."""
     n = blocks.shape[0]
-    qs = _untranspose_words(blocks[:, 16:].reshape(n, 4, 32)).reshape(n, 128)
+    groups = blocks[:, 16:].reshape(n, 2, 4, 16).transpose(1, 2).reshape(n, 4, 32)
+    qs = _untranspose_words(groups).reshape(n, 128)
     return q4_k(torch.cat([blocks[:, :16], qs], -1))
 
 
@@ -94,7 +98,8 @@ def reorder_q4_k(rows: Tensor, k: int) -> Tensor:
 def _reorder_q4_k(rows: Tensor, k: int) -> Tensor:
     lead = rows.shape[:-1]
     b = rows.reshape(*lead, k // 256, 144)
-    qs = _transpose_words(b[..., 16:].reshape(*lead, k // 256, 4, 32)).reshape(*lead, k // 256, 128)
+    qs = _transpose_words(b[..., 16:].reshape(*lead, k // 256, 4, 32))
+    qs = qs.reshape(*lead, k // 256, 4, 2, 16).transpose(-2, -3).reshape(*lead, k // 256, 128)
     return torch.cat([b[..., :16], qs], -1).reshape(*lead, -1)
 
 
@@ -181,10 +186,6 @@ def pad_q6_k(rows: Tensor, k: int) -> Tensor:
     return torch.cat([b, pad], -1).reshape(*lead, -1)
 
 
-_Q6_K_R_GROUP = 48
-"""Bytes of one Q6_K_R group (64 weights): 32 nibble bytes, 16 bytes of high bits."""
-
-
 def _q6_values(blocks: Tensor) -> Tensor:
     """(n, 210) Q6_K blocks -> (n, 256) int64 6-bit values q (the weight is d sc (q - 32))."""
     n = blocks.shape[0]
@@ -207,9 +208,10 @@ def _reorder_q6_k(rows: Tensor, k: int) -> Tensor:
     hi = (q >> 4).reshape(-1, 4, 2, 4, 2, 4)  # [.., half, b, w4 = w // 4, w % 4]
     high = (hi[:, :, 0, :, 0] | (hi[:, :, 0, :, 1] << 2) | (hi[:, :, 1, :, 0] << 4) | (hi[:, :, 1, :, 1] << 6))
     high = high.transpose(-1, -2).reshape(-1, 4, 16)  # byte 4w + b of the high words
-    groups = torch.cat([nib, high], -1).to(torch.uint8).reshape(-1, 4 * _Q6_K_R_GROUP)
+    nib = nib.reshape(-1, 4, 2, 16).transpose(1, 2).reshape(-1, 128)
+    quants = torch.cat([nib, high.reshape(-1, 64)], -1).to(torch.uint8)
     pad = blocks.new_zeros(blocks.shape[0], Q6_K_P_BYTES - Q6_K_BYTES)
-    out = torch.cat([blocks[:, 192:208], groups, blocks[:, 208:210], pad], -1)
+    out = torch.cat([blocks[:, 192:208], quants, blocks[:, 208:210], pad], -1)
     return out.reshape(n, nb * Q6_K_P_BYTES)
 
 
@@ -230,9 +232,9 @@ def q6_k_r(blocks: Tensor) -> Tensor:
     b = blocks.to(torch.int64)
     sc = blocks[:, :16].view(torch.int8).to(torch.float32)
     d = blocks[:, 208:210].contiguous().view(torch.float16).to(torch.float32)
-    g = b[:, 16:208].reshape(n, 4, _Q6_K_R_GROUP)
-    nib = _untranspose_words(g[..., :32])  # byte 8b + w: weights 8b + w (low), 32 + 8b + w (high)
-    high = g[..., 32:].reshape(n, 4, 4, 4).transpose(-1, -2)  # [.., b, w4]: bits of weights 8b + w4 (+4, +32, +36)
+    nib = _untranspose_words(b[:, 16:144].reshape(n, 2, 4, 16).transpose(1, 2).reshape(n, 4, 32))
+    # nib: byte 8b + w of group c holds weights 8b + w (low nibble), 32 + 8b + w (high)
+    high = b[:, 144:208].reshape(n, 4, 4, 4).transpose(-1, -2)  # [c, b, w4]: bits of weights 8b + w4 (+4, +32, +36)
     top = torch.stack([(high >> (2 * i)) & 3 for i in range(4)], -1).reshape(n, 4, 4, 4, 2, 2)  # [.., b, w4, h, a]
     top = top.permute(0, 1, 4, 2, 5, 3).reshape(n, 4, 2, 32)  # [c, h, 8b + 4a + w4]
     q = torch.stack([nib & 15, nib >> 4], 2) | (top << 4)  # [c, h, 8b + w]
