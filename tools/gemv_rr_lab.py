@@ -79,9 +79,13 @@ class Lab:
 def rr_shapes(kind: str, n_chunks: int, tiles: int) -> list[tuple[str, tuple | None]]:
     base = gemv_rr.launch_shape(kind, n_chunks, tiles)
     out = [(f"rr default split{base[3]}", None)]
-    for sp in SPLITS:
+    for sp in SPLITS + (5,):
         if sp != base[3] and n_chunks % (sp * base[1]) == 0:
             out.append((f"rr split{sp}", (*base[:3], sp)))
+    if base[1] == 2:  # one super-block per step: other splits divide the chunks
+        for sp in (1, 2, 5):
+            if n_chunks % sp == 0:
+                out.append((f"rr sbc1 split{sp}", (2 * base[0], 1, base[2], sp)))
     return out
 
 
@@ -209,6 +213,12 @@ def experts(lab: Lab, gen: torch.Generator, types: set[str] | None) -> None:
                                                                   for s in (sg, su)))):
             lab.case(f"{kind} experts {mode}", f"{slots}x{n}x{k}", lambda ids, st=stacks, kd=kind: run(st, kd, ids),
                      id_sets, nbytes, err(run(stacks, kind, ids0)))
+            if mode == "glu" and kind.endswith("_R"):
+                for sk in (5,):
+                    def run_split(ids, st=stacks, kd=kind, sk=sk):
+                        return G.gemv_experts_glu(x, st[0], st[1], ids, kd, k, out_dtype=torch.float32, split_k=sk)
+                    lab.case(f"{kind} experts glu split{sk}", f"{slots}x{n}x{k}", run_split, id_sets, nbytes,
+                             err(run_split(ids0)))
             with pdl.enabled(False):
                 lab.case(f"{kind} experts {mode} no-pdl", f"{slots}x{n}x{k}",
                          lambda ids, st=stacks, kd=kind: run(st, kd, ids), id_sets, nbytes, err(run(stacks, kind, ids0)))

@@ -224,19 +224,22 @@ def _q5_1_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, B
 @triton.jit
 def _q6_k_r_load(wp, sb, c, k):
     """One chunk of Q6_K_R rows: group c's nibble words k and 4 + k and high word k (each stored beside the other
-    groups' same word), its scale word (scales 4c..4c + 3) and the word of d, of super-blocks sb."""
+    groups' same word), the four scale words and the word of d, of super-blocks sb. The scale words are loaded
+    whole per super-block, as Q4_K_R's header, and chosen by c in registers: a load indexed by c alone got a
+    layout of its own that Triton 3.6 converted through shared memory in the loop (head 623 us)."""
     bp = wp + sb * 56
     return (tl.load(bp + 4 + c * 4 + k), tl.load(bp + 20 + c * 4 + k), tl.load(bp + 36 + c * 4 + k),
-            tl.load(bp + c), tl.load(bp + 52))
+            tl.load(bp), tl.load(bp + 1), tl.load(bp + 2), tl.load(bp + 3), tl.load(bp + 52))
 
 
 @triton.jit
-def _q6_k_r_fma(acc, raw, xb, base, ASM: tl.constexpr):
+def _q6_k_r_fma(acc, raw, xb, c, base, ASM: tl.constexpr):
     """acc += the chunk's weights times x (xb: x at the first weight of each thread's words). The top two bits
     land on bits 4-5 of each nibble byte by one shift and one mask, and w = S (q - 32) = fma(0.5 + q / 256, 256 S,
     -160 S) with S = d sc: 160 S is exact (S has at most 19 significant bits), so the FMA rounds S (q - 32) once,
     as Q6_K's decoder does."""
-    v0, v1, vh, sw, dw = raw
+    v0, v1, vh, w0, w1, w2, w3, dw = raw
+    sw = tl.where(c == 0, w0, tl.where(c == 1, w1, tl.where(c == 2, w2, w3)))
     d = _f16_lo(dw)
     s0 = d * ((sw << 24) >> 24).to(tl.float32)  # the int8 scales of sub-blocks 4c .. 4c + 3
     s1 = d * ((sw << 16) >> 24).to(tl.float32)
@@ -271,7 +274,7 @@ def _q6_k_r_rows(rp, xp, base, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.cons
     for it in tl.range(0, NIT):
         cur = nxt
         nxt = _q6_k_r_load(wp, tl.minimum(it + 1, NIT - 1) * SBC + s, c, k)
-        acc = _q6_k_r_fma(acc, cur, xp + (it * SBC + s) * 256 + c * 64 + k, base, ASM)
+        acc = _q6_k_r_fma(acc, cur, xp + (it * SBC + s) * 256 + c * 64 + k, c, base, ASM)
     return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
 
 
