@@ -716,8 +716,9 @@ def _launch_rr(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor 
     n_chunks = k // gemv_rr.CHUNK[t.name][0]
     glu = up is not None
     br = (shape or gemv_rr.launch_shape(t.name, n_chunks))[0]
-    tiles = triton.cdiv(n, br // 2 if glu else br)
+    tiles = triton.cdiv(n, br // 2 if glu else br)  # an estimate: the shape may change with the tile count
     br, sbc, warps, split = shape or gemv_rr.launch_shape(t.name, n_chunks, tiles * slots)
+    tiles = triton.cdiv(n, br // 2 if glu else br)
     if split_k is not None:
         split = max(1, split_k)
         while n_chunks % (split * sbc):

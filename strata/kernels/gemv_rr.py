@@ -378,7 +378,9 @@ def launch_shape(kind: str, n_chunks: int, tiles: int = 1 << 30) -> tuple[int, i
     step of one, for an odd count), 4 Q8_0_R rows, 8 Q5_1_R rows. The launches are latency-bound, so the K loop is
     split over more programs when there are few row tiles and many chunks. 2 or 4 rows per thread, or
     prefetching a further chunk, measured slower or equal (bench/results/2026-12-04-h200-gemv-rr-lab*.json)."""
-    if kind in ("Q4_K_R", "Q6_K_R"):
+    if kind == "Q6_K_R" and tiles >= BIG_LAUNCH_TILES:
+        br, sbc, warps = 16, 1, 2
+    elif kind in ("Q4_K_R", "Q6_K_R"):
         br, sbc, warps = (8, 2, 2) if n_chunks % 2 == 0 else (16, 1, 2)
     elif kind == "Q8_0_R":
         br, sbc, warps = 4, 1, 1
@@ -392,6 +394,10 @@ def launch_shape(kind: str, n_chunks: int, tiles: int = 1 << 30) -> tuple[int, i
 
 SPLIT_MIN_PROGRAMS = 2048
 """Programs below which `launch_shape` splits K (in halves, while each part keeps 4 chunks or more)."""
+
+BIG_LAUNCH_TILES = 4096
+"""Row tiles from which a Q6_K_R launch steps one super-block at a time: the head (248320 x 2560) 252 -> 224 us
+(Q6_K_P with the generic kernel: 333 us; bench/results/2026-12-04-h200-gemv-rr-lab-3a28ac7.json)."""
 
 
 def covers(kind: str, n_tok: int, w: torch.Tensor, up: torch.Tensor | None = None, strides: tuple[int, ...] = (),
