@@ -187,3 +187,41 @@ def test_select_tokens_end_to_end(nb, positions):
     fin = torch.isfinite(srt[:, k])
     assert (srt[:, k - 1] - srt[:, k])[fin].min() > 1e-4  # no near-tie: fp32 order cannot flip the set
     assert_matches_ref(attention.select_tokens(q, blocks, positions, cfg), want, k, c, nb)
+
+
+WIDE_CASES = [(300, 64, 4, 3, 16), (1000, 16, 2, 1, 64), (64, 64, 4, 2, 16), (77, 1, 1, 2, 16), (500, 0, 4, 2, 32)]
+
+
+@pytest.mark.parametrize("nb,k,c,L,chunk", WIDE_CASES)
+def test_wide_select_equals_the_one_program_kernel(nb, k, c, L, chunk):
+    """`select_blocks_wide` (the row over many programs, atomics and tickets between eight radix passes) writes
+    exactly what `select_blocks` writes: the same blocks in block order, validity and tail; with -inf fill, k == nb
+    and k == 0; the per-query histograms and tickets are back at zero afterwards."""
+    from strata.kernels import gemv
+    from strata.kernels.select import _wide_hist_buffer, select_blocks_wide
+
+    visible = [nb, nb // 3, max(0, k - 1)][:L]
+    s = draw(L, nb, max(1, k), seed=nb + k + c, visible=visible) if k < nb else draw(L, nb, nb, seed=c)
+    positions = torch.randint(0, nb * c, (L,), generator=torch.Generator().manual_seed(nb))
+    got = select_blocks_wide(s, positions, k, c, chunk=chunk)
+    want = select_blocks(s, positions, k, c)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert int(_wide_hist_buffer(s.device).abs().sum()) == 0
+    assert int(gemv.tickets(s.device).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_wide_select_ties_span_programs(chunk):
+    """Equal scores at the k-th place spread over several programs: the lowest block indices win, across
+    program boundaries, as in the one-program kernel (including -0.0 against +0.0 and a tie of all keys)."""
+    from strata.kernels.select import select_blocks_wide
+
+    g = torch.Generator().manual_seed(chunk)
+    s = torch.randint(0, 4, (2, 100), generator=g).float()  # heavy ties at every level
+    s[1] = torch.where(torch.rand(100, generator=g) < 0.5, 0.0, -0.0)
+    s[0, 90:] = 3.0
+    positions = torch.tensor([399, 250])
+    for k in (1, 7, 33, 99):
+        got = select_blocks_wide(s, positions, k, 4, chunk=chunk)
+        want = select_blocks(s, positions, k, 4)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), k

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from strata.config import ModelConfig
 from strata.kernels import attention, gdn, hyper, sample
-from strata.kernels.select import select_blocks
+from strata.kernels.select import select_blocks, select_blocks_wide
 from strata.model.attention import attend_ref
 from strata.model.gdn import GDNParams, gdn_core_ref
 from strata.model.hyper import hc_read_ref
@@ -271,6 +271,14 @@ def check_select(cfg: ModelConfig, ctx: int) -> dict:
         sweep[f"{block}x{warps}"] = time_graph(lambda b=block, w=warps: select_blocks(scores, positions, k, c,
                                                                                       block=b, num_warps=w))
     out["select_sweep_graph_us"] = sweep
+    # the many-program form (what select_tokens runs past SELECT_KERNEL_MAX_BLOCKS): exactly the same output
+    wide = {}
+    for chunk in (512, 1024, 2048):
+        got = select_blocks_wide(scores, positions, k, c, chunk=chunk)
+        if not (torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])):
+            raise AssertionError(f"select_blocks_wide chunk={chunk} differs from select_blocks")
+        wide[str(chunk)] = time_graph(lambda ch=chunk: select_blocks_wide(scores, positions, k, c, chunk=ch))
+    out["select_wide_graph_us"] = wide
     return out
 
 
@@ -385,6 +393,8 @@ def main() -> int:
               f"{fmt(r.get('ref_us'))} {bw}  {errs or r.get('error', '')}")
         if r.get("select_sweep_graph_us"):
             print("    select sweep " + ", ".join(f"{n} {v:.1f}" for n, v in r["select_sweep_graph_us"].items()))
+        if r.get("select_wide_graph_us"):
+            print("    select wide (chunk) " + ", ".join(f"{n} {v:.1f}" for n, v in r["select_wide_graph_us"].items()))
         if r.get("variants_graph_us"):
             print("    " + ", ".join(f"{n} {v:.1f}" if isinstance(v, float) else f"{n} {v}"
                                      for n, v in r["variants_graph_us"].items()))

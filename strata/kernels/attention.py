@@ -29,7 +29,7 @@ import triton.language as tl
 
 from strata.config import ModelConfig
 from strata.kernels import pdl
-from strata.kernels.select import expand_blocks, select_blocks
+from strata.kernels.select import expand_blocks, select_blocks, select_blocks_wide, wide_supported
 from strata.model import topk
 from strata.runtime.state import QSAState
 
@@ -241,16 +241,17 @@ def block_scores(q_idx: torch.Tensor, blocks: torch.Tensor, positions: torch.Ten
 
 
 SELECT_KERNEL_MAX_BLOCKS = 2048
-"""Candidate blocks up to which the selection kernel picks the top k. It runs one program per query, so its time
-grows with the candidates: on an H200, ~16 us per QSA layer at 1,042 blocks (a 4K decode state) but 197 us at
-32,768 (128K), where torch.topk plus the expansion below costs ~85 us."""
+"""Candidate blocks up to which the one-program selection kernel picks the top k. Its time grows with the
+candidates: on an H200, ~16 us per QSA layer at 1,042 blocks (a 4K decode state) but 197 us at 32,768 (128K),
+where torch.topk plus the expansion below costs ~85 us; longer rows go to `select_blocks_wide`."""
 
 
 def select_tokens(q_idx: torch.Tensor, blocks: torch.Tensor, positions: torch.Tensor, cfg: ModelConfig,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """`strata.model.qsa.select_tokens` with the block scores above, then the top-k blocks expanded to token
     indices, the tail and validity: by `strata.kernels.select` (one launch) up to SELECT_KERNEL_MAX_BLOCKS
-    candidates, else by torch.topk and `expand_blocks` (one launch). Token indices (L, W) and their validity (L,
+    candidates, by its many-program form beyond (`select_blocks_wide`, ten launches), and by torch.topk and
+    `expand_blocks` (one launch) for more queries than that serves. Token indices (L, W) and their validity (L,
     W), W <= B + c - 1. Same chosen set as the reference whenever the k-th and (k+1)-th block scores differ
     (the kernel breaks ties by lowest block index and lists the chosen blocks in block order, which `attend`, a
     softmax over the set, only sees as fp summation order)."""
@@ -261,5 +262,9 @@ def select_tokens(q_idx: torch.Tensor, blocks: torch.Tensor, positions: torch.Te
                                                                                           dtype=torch.float32)
     if nb <= SELECT_KERNEL_MAX_BLOCKS:
         return select_blocks(scores, positions, k, c)
+    if wide_supported(scores):
+        chosen = select_blocks_wide(scores, positions, k, c)
+        if chosen is not None:
+            return chosen
     top_v, top_b = topk.select(scores, k)
     return expand_blocks(top_v, top_b, positions, c)

@@ -255,3 +255,229 @@ def expand_blocks(top_v: torch.Tensor, top_b: torch.Tensor, positions: torch.Ten
                          C=c, CP=triton.next_power_of_2(c), TP=triton.next_power_of_2(c - 1) if c > 1 else 0,
                          BK=min(1024, max(16, triton.next_power_of_2(k))), **pdl.launch(top_b.device))
     return idx, ok
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Long rows: the same selection spread over many programs per query
+
+
+WIDE_CHUNK = 512
+"""Candidate blocks per program of `select_blocks_wide` (64 programs per query at 128K positions). H200, k = 512 of
+32,768 blocks: 21 us at 512, 26 at 1024, 35 at 2048 (torch.topk and the expansion: 58 us; the one-program
+kernel: 198 us)."""
+WIDE_DIGIT_BITS = 4
+"""Key bits per pass of `select_blocks_wide`: eight passes (launches) of 16 bins. 8-bit digits (four passes of 256
+bins, counted 16 at a time, each group a cross-warp reduction) took 58-185 us at 32,768 blocks on an H200."""
+WIDE_MAX_L = 8
+"""Queries per call `select_blocks_wide` serves (decode and short verify batches)."""
+
+
+@triton.jit
+def _wide_hist(row, lo, hi, pre, hmask, SHIFT: tl.constexpr, BLOCK: tl.constexpr, NBINS: tl.constexpr):
+    """Counts of the digit at SHIFT among the keys of row[lo:hi] whose bits under `hmask` equal `pre`: [NBINS]
+    int32, counted by comparison 16 bins at a time into a [NBINS / 16, 16] tile."""
+    NG: tl.constexpr = NBINS // 16
+    offs = tl.arange(0, BLOCK)
+    b16 = tl.arange(0, 16)
+    grp = tl.arange(0, NG)
+    hist = tl.zeros([NG, 16], tl.int32)
+    for c0 in range(lo, hi, BLOCK):
+        o = c0 + offs
+        m = o < hi
+        u = _ukey(tl.load(row + o, mask=m, other=0.0))
+        cand = m & ((u & hmask) == pre)
+        dig = (u >> SHIFT) & (NBINS - 1)
+        for g in tl.static_range(NG):
+            hit = ((dig[:, None] == (g * 16 + b16)[None, :]) & cand[:, None]).to(tl.int32)
+            hist += tl.where(grp[:, None] == g, tl.sum(hit, axis=0)[None, :], 0)
+    return tl.reshape(hist, [NBINS])
+
+
+@triton.jit
+def _wide_pass_kernel(s_ptr, st_ptr, hist_ptr, cnt_ptr, NB, K, CH, P, s_sl,
+                      SHIFT: tl.constexpr, FIRST: tl.constexpr, BLOCK: tl.constexpr, NBINS: tl.constexpr,
+                      GDC: tl.constexpr = False):
+    """One radix pass over one query's row by P programs (program (p, l): blocks [p CH, (p + 1) CH) of query l):
+    each adds its digit counts to the query's histogram (integer atomics: the sums do not depend on their
+    order); the last to draw a ticket picks the digit as `_radix_pass` does, stores the narrowed state
+    (need, prefix, mask, going) and puts the histogram and its ticket back to zero."""
+    pdl.started(GDC)
+    pdl.wait(GDC)
+    p = tl.program_id(0)
+    l = tl.program_id(1)
+    row = s_ptr + l.to(tl.int64) * s_sl
+    st = st_ptr + l * 4
+    zero = tl.full([], 0, tl.int32)
+    if FIRST:
+        need = zero + K
+        pre = zero
+        hmask = zero
+        going = need > 0
+        if (K == 0) & (p == 0):
+            tl.store(st + tl.arange(0, 4), tl.zeros([4], tl.int32))
+    else:
+        need = tl.load(st)
+        pre = tl.load(st + 1)
+        hmask = tl.load(st + 2)
+        going = tl.load(st + 3) != 0
+    if going:
+        lo = p * CH
+        hist = _wide_hist(row, lo, tl.minimum(lo + CH, NB), pre, hmask, SHIFT, BLOCK, NBINS)
+        bins = tl.arange(0, NBINS)
+        hp = hist_ptr + l * NBINS + bins
+        tl.atomic_add(hp, hist, sem="relaxed", scope="gpu")
+        tl.debug_barrier()  # every thread's counts are added before the ticket is drawn
+        if tl.atomic_add(cnt_ptr + l, 1, sem="acq_rel", scope="gpu") == P - 1:
+            hist = tl.atomic_xchg(hp, tl.zeros([NBINS], tl.int32), sem="relaxed", scope="gpu")
+            DMASK: tl.constexpr = NBINS - 1
+            HM: tl.constexpr = ((DMASK << SHIFT) ^ 0x80000000) - 0x80000000
+            ge = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys with digit >= d
+            d = tl.sum((ge >= need).to(tl.int32), axis=0) - 1
+            pick = bins == d
+            above = tl.sum(tl.where(pick, ge - hist, 0), axis=0)
+            inbin = tl.sum(tl.where(pick, hist, 0), axis=0)
+            need = need - above
+            i4 = tl.arange(0, 4)
+            state = tl.where(i4 == 0, need, tl.where(i4 == 1, pre | (d << SHIFT),
+                                                     tl.where(i4 == 2, hmask | HM, (inbin != need).to(tl.int32))))
+            tl.store(st + i4, state)
+            tl.atomic_xchg(cnt_ptr + l, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _wide_count_kernel(s_ptr, st_ptr, n_ptr, NB, K, CH, P, s_sl, BLOCK: tl.constexpr, GDC: tl.constexpr = False):
+    """Per program: how many of its keys are above the selected prefix, and how many equal it (under its mask)."""
+    pdl.started(GDC)
+    pdl.wait(GDC)
+    p = tl.program_id(0)
+    l = tl.program_id(1)
+    row = s_ptr + l.to(tl.int64) * s_sl
+    SIGN: tl.constexpr = -2147483648
+    thr = tl.load(st_ptr + l * 4 + 1) ^ SIGN
+    hmask = tl.load(st_ptr + l * 4 + 2)
+    lo = p * CH
+    hi = tl.minimum(lo + CH, tl.where(K > 0, NB, 0))
+    offs = tl.arange(0, BLOCK)
+    gt = tl.zeros([BLOCK], tl.int32)
+    eq = tl.zeros([BLOCK], tl.int32)
+    for c0 in range(lo, hi, BLOCK):
+        o = c0 + offs
+        m = o < hi
+        mk = (_ukey(tl.load(row + o, mask=m, other=0.0)) & hmask) ^ SIGN
+        gt += (m & (mk > thr)).to(tl.int32)
+        eq += (m & (mk == thr)).to(tl.int32)
+    tl.store(n_ptr + (l * 2) * P + p, tl.sum(gt, axis=0))
+    tl.store(n_ptr + (l * 2 + 1) * P + p, tl.sum(eq, axis=0))
+
+
+@triton.jit
+def _wide_compact_kernel(s_ptr, pos_ptr, st_ptr, n_ptr, idx_ptr, ok_ptr, NB, K, CH, P, s_sl, s_il, s_ol,
+                         PP: tl.constexpr, C: tl.constexpr, TP: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr,
+                         GDC: tl.constexpr = False):
+    """Per program: its chosen blocks (keys above the prefix, and the first of those equal to it, in block order,
+    up to the k picks) written expanded to their c tokens at their slots (block order over the whole row: the
+    counts of the programs before it give its first slot and its share of the ties); program 0 writes the
+    tail."""
+    pdl.started(GDC)
+    pdl.wait(GDC)
+    p = tl.program_id(0)
+    l = tl.program_id(1)
+    row = s_ptr + l.to(tl.int64) * s_sl
+    out_i = idx_ptr + l.to(tl.int64) * s_il
+    out_o = ok_ptr + l.to(tl.int64) * s_ol
+    SIGN: tl.constexpr = -2147483648
+    thr = tl.load(st_ptr + l * 4 + 1) ^ SIGN
+    hmask = tl.load(st_ptr + l * 4 + 2)
+    q = tl.arange(0, PP)
+    qm = q < P
+    gt = tl.load(n_ptr + (l * 2) * P + q, mask=qm, other=0)
+    eq = tl.load(n_ptr + (l * 2 + 1) * P + q, mask=qm, other=0)
+    ties = K - tl.sum(gt, axis=0)  # picks left for keys equal to the prefix, lowest block index first
+    eq_before = tl.sum(tl.where(q < p, eq, 0), axis=0)
+    quota = tl.minimum(tl.maximum(ties - eq_before, 0), tl.sum(tl.where(q == p, eq, 0), axis=0))
+    base = tl.sum(tl.where(q < p, gt, 0), axis=0) + tl.minimum(eq_before, ties)
+    lo = p * CH
+    hi = tl.minimum(lo + CH, tl.where(K > 0, NB, 0))
+    grp = tl.arange(0, BLOCK // G)[:, None] * G + tl.arange(0, G)[None, :]
+    seen = tl.full([], 0, tl.int32)
+    for c0 in range(lo, hi, BLOCK):
+        o = c0 + grp
+        m = o < hi
+        sc = tl.load(row + o, mask=m, other=0.0)
+        mk = (_ukey(sc) & hmask) ^ SIGN
+        e_eq = (m & (mk == thr)).to(tl.int32)
+        g_eq = tl.sum(e_eq, axis=1)
+        rank = seen + (tl.cumsum(g_eq, axis=0) - g_eq)[:, None] + (tl.cumsum(e_eq, axis=1) - e_eq)
+        sel = (m & (mk > thr)) | ((e_eq != 0) & (rank < quota))
+        e = sel.to(tl.int32)
+        gs = tl.sum(e, axis=1)
+        slot = base + (tl.cumsum(gs, axis=0) - gs)[:, None] + (tl.cumsum(e, axis=1) - e)
+        fin = (tl.abs(sc) < float("inf")).to(tl.int8)  # NaN: False
+        for j in tl.static_range(C):
+            tl.store(out_i + slot * C + j, o.to(tl.int64) * C + j, mask=sel)
+            tl.store(out_o + slot * C + j, fin, mask=sel)
+        base += tl.sum(gs, axis=0)
+        seen += tl.sum(g_eq, axis=0)
+    if p == 0:
+        _tail(out_i, out_o, pos_ptr, l, K, C, TP)
+
+
+_wide_hists: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _wide_hist_buffer(device: torch.device) -> torch.Tensor:
+    """The histograms of `select_blocks_wide` on the current stream: zeros, and back to zero after every pass
+    (the last program of each query zeroes its row). Made on first use (a decode step's warm-up, before any
+    capture) and kept, so captured graphs share it; one per stream, as the split-K tickets."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    if key not in _wide_hists:
+        _wide_hists[key] = torch.zeros(WIDE_MAX_L, 1 << WIDE_DIGIT_BITS, dtype=torch.int32, device=device)
+    return _wide_hists[key]
+
+
+def wide_supported(scores: torch.Tensor) -> bool:
+    return scores.dim() == 2 and 1 <= scores.shape[0] <= WIDE_MAX_L and scores.dtype == torch.float32
+
+
+def select_blocks_wide(scores: torch.Tensor, positions: torch.Tensor, k: int, c: int, chunk: int = WIDE_CHUNK,
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`select_blocks` for long rows: the same chosen set, order and outputs, with each query's row spread over
+    cdiv(nb, chunk) programs. 32 // WIDE_DIGIT_BITS radix passes, then a count and a compaction: ten launches of
+    short programs instead of one program streaming the row eight times (197 us at 32,768 blocks on an H200).
+    The passes meet through a per-query histogram of integer atomics and a ticket; no host sync: capturable.
+    None when the current stream has no split-K ticket region (`gemv.tickets`): the caller takes another path."""
+    from strata.kernels.gemv import tickets
+
+    L, nb = scores.shape
+    assert 0 <= k <= nb and c >= 1 and wide_supported(scores)
+    dev = scores.device
+    scores = scores if scores.stride(-1) == 1 else scores.contiguous()
+    positions = positions.contiguous()
+    W = k * c + c - 1
+    idx = torch.empty(L, W, dtype=torch.int64, device=dev)
+    ok = torch.empty(L, W, dtype=torch.bool, device=dev)
+    if L == 0 or W == 0:
+        return idx, ok
+    chunk = max(16, triton.next_power_of_2(min(chunk, max(1, nb))))
+    P = max(1, triton.cdiv(nb, chunk))
+    block = min(chunk, 1024)
+    cnt = tickets(dev)
+    if cnt is None or cnt.numel() < L:  # no ticket region left for this stream: the caller's other path
+        return None
+    hist = _wide_hist_buffer(dev)
+    st = torch.empty(L, 4, dtype=torch.int32, device=dev)
+    counts = torch.empty(L, 2, P, dtype=torch.int32, device=dev)
+    nbins = 1 << WIDE_DIGIT_BITS
+    gdc = pdl.launch(dev)
+    for i in range(32 // WIDE_DIGIT_BITS):
+        _wide_pass_kernel[(P, L)](scores, st, hist, cnt, nb, k, chunk, P, scores.stride(0),
+                                  SHIFT=32 - WIDE_DIGIT_BITS * (i + 1), FIRST=i == 0, BLOCK=block, NBINS=nbins,
+                                  num_warps=4, **gdc)
+    _wide_count_kernel[(P, L)](scores, st, counts, nb, k, chunk, P, scores.stride(0), BLOCK=block, num_warps=4,
+                               **gdc)
+    _wide_compact_kernel[(P, L)](scores, positions, st, counts, idx, ok.view(torch.int8), nb, k, chunk, P,
+                                 scores.stride(0), idx.stride(0), ok.stride(0), PP=triton.next_power_of_2(P), C=c,
+                                 TP=triton.next_power_of_2(c - 1) if c > 1 else 0, BLOCK=block, G=8, num_warps=4,
+                                 **gdc)
+    return idx, ok
