@@ -125,14 +125,13 @@ def matrices(lab: Lab, gen: torch.Generator, types: set[str] | None) -> None:
                 G._launch_rr(t, x, b, None, out, n, k, 1, 0, 0, 0, None, 0, None, None, shape)
                 return out
             lab.case(f"{kind} {label}", f"{n}x{k}", fn, br, nbytes, err(fn(wr)))
-        if kind in HEAD_SHAPES and n >= 100_000:  # bandwidth-bound: bigger programs, rows per thread, shared x
+        if kind in HEAD_SHAPES and n >= 100_000:  # bandwidth-bound: bigger programs, rows per thread
             for shape in HEAD_SHAPES[kind]:
-                for xs in (False, True):
-                    def fn(b, shape=shape, xs=xs):
-                        gemv_rr.launch(kind, x, b, None, out, n, k, 1, 0, 0, 0, None, 0, shape, G._split_sum, out,
-                                       out, None, pdl.launch(x.device), x_shared=xs)
-                        return out
-                    lab.case(f"{kind} rr {shape}{' xs' if xs else ''}", f"{n}x{k}", fn, br, nbytes, err(fn(wr)))
+                def fn(b, shape=shape):
+                    gemv_rr.launch(kind, x, b, None, out, n, k, 1, 0, 0, 0, None, 0, shape, G._split_sum, out, out,
+                                   None, pdl.launch(x.device))
+                    return out
+                lab.case(f"{kind} rr {shape}", f"{n}x{k}", fn, br, nbytes, err(fn(wr)))
         with pdl.enabled(False):  # back-to-back launches of one kernel: PDL's early programs hold SM slots
             lab.case(f"{name} generic no-pdl", f"{n}x{k}", lambda b: G.gemv(x, b, name, k, out=out),
                      [b for b in bank], nbytes, err(G.gemv(x, w, name, k)))

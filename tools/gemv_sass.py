@@ -105,19 +105,19 @@ def compile_kernel(t: G.GemvType, n: int, k: int, bn: int | None = None, nw: int
 
 
 def compile_rr(kind: str, n: int, k: int, glu: bool = False, x_dtype: str = "bf16", arch: int = 90,
-               shape: tuple[int, int, int] | None = None, x_shared: bool = False):
+               shape: tuple[int, int, int] | None = None):
     """The CompiledKernel of one one-token launch of `gemv_rr._rr_kernel` (in its `launch_shape` or `shape` =
     (rows, chunks per step, warps), one matrix, bf16 output) and its launch facts, as `compile_kernel`."""
     elems, chunk_bytes = RR.CHUNK[kind]
     n_chunks = k // elems
-    br, sbc, warps = shape or RR.launch_shape(kind, n_chunks)[:3]
+    br, sbc, warps = shape or RR.launch_shape(kind, n_chunks, -(-n // 8))[:3]
     rb = n_chunks * chunk_bytes
     ptrs = dict(x_ptr=f"*{x_dtype}", g_ptr="*u8", u_ptr="*u8", ids_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32",
                 cnt_ptr="*i32", sw_ptr="*fp32")
     ints = dict(N=n, g_row_stride=rb, u_row_stride=rb, g_slot_stride=0, u_slot_stride=0, x_slot_stride=0,
                 out_slot_stride=0, BASE=RR._BASE[kind], X_ROW_STRIDE=0, D_STRIDE=1)
     consts = dict(KIND=kind, CHUNK_ELEMS=elems, CHUNK_BYTES=chunk_bytes, NCH=n_chunks, SBC=sbc, BR=br, GLU=glu,
-                  HAS_IDS=False, ASM=True, SPLIT_SUM=G._split_sum, SPLIT=1, SLOT_SUM=0, X_SHARED=x_shared, GDC=False)
+                  HAS_IDS=False, ASM=True, SPLIT_SUM=G._split_sum, SPLIT=1, SLOT_SUM=0, GDC=False)
     sig, attrs = {}, {}
     for i, a in enumerate(RR._rr_kernel.arg_names):
         if a in consts:

@@ -294,7 +294,7 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
                KIND: tl.constexpr, CHUNK_ELEMS: tl.constexpr, CHUNK_BYTES: tl.constexpr, NCH: tl.constexpr,
                SBC: tl.constexpr, BR: tl.constexpr, GLU: tl.constexpr,
                HAS_IDS: tl.constexpr, ASM: tl.constexpr, SPLIT_SUM: tl.constexpr, SPLIT: tl.constexpr = 1,
-               SLOT_SUM: tl.constexpr = 0, X_SHARED: tl.constexpr = False, GDC: tl.constexpr = False):
+               SLOT_SUM: tl.constexpr = 0, GDC: tl.constexpr = False):
     """out[slot, rows] = W[slot's matrix][rows] . x[slot], or with GLU act(G . x) * (U . x), for one token.
 
     Program (i, slot, s): BR rows of the matrix of `slot` (expert ids[slot] when HAS_IDS), or with GLU BR / 2 rows
@@ -333,10 +333,7 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
         rp = g_ptr + mat * g_slot_stride + rows_c * g_row_stride
     NC: tl.constexpr = NCH // SPLIT
     rp = tl.multiple_of(rp + part * (NC * CHUNK_BYTES), 16)
-    if X_SHARED:  # one x pointer for all rows: the compiler shares each load between a thread's rows
-        xp = x_ptr + slot * x_slot_stride + part * (NC * CHUNK_ELEMS) + tl.zeros([1, 1, 1, 1], tl.int32)
-    else:
-        xp = (x_ptr + slot * x_slot_stride + part * (NC * CHUNK_ELEMS) + r * X_ROW_STRIDE)[:, None, None, None]
+    xp = (x_ptr + slot * x_slot_stride + part * (NC * CHUNK_ELEMS) + r * X_ROW_STRIDE)[:, None, None, None]
     if KIND == "Q4_K_R":
         res = _q4_k_r_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, NC, SBC, BR, ASM,
                            GDC and not HAS_IDS)
@@ -416,8 +413,7 @@ def covers(kind: str, n_tok: int, w: torch.Tensor, up: torch.Tensor | None = Non
 def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None, out: torch.Tensor, n: int,
            k: int, slots: int, w_slot_stride: int, x_slot_stride: int, out_slot_stride: int,
            up: torch.Tensor | None, up_slot_stride: int, shape: tuple[int, int, int, int], split_sum,
-           part: torch.Tensor, cnt: torch.Tensor, slot_weights: torch.Tensor | None, gdc: dict,
-           x_shared: bool = False) -> None:
+           part: torch.Tensor, cnt: torch.Tensor, slot_weights: torch.Tensor | None, gdc: dict) -> None:
     """One launch over `slots` matrices (by `ids` when given) of n rows of k weights, in `shape`
     (`launch_shape`); `up` makes it the GLU (w is then the gate); `slot_weights` sums the slots into out's one row.
     Strides in elements of each tensor (bytes for the weights). The caller (`gemv._launch`) checked `covers`
@@ -432,4 +428,4 @@ def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None
         out_slot_stride, _BASE[kind], 0, 1,
         KIND=kind, CHUNK_ELEMS=CHUNK[kind][0], CHUNK_BYTES=CHUNK[kind][1], NCH=k // CHUNK[kind][0], SBC=sbc, BR=br,
         GLU=glu, HAS_IDS=ids is not None, ASM=x.device.type == "cuda", SPLIT_SUM=split_sum, SPLIT=split,
-        SLOT_SUM=slots if slot_weights is not None else 0, X_SHARED=x_shared, num_warps=warps, **gdc)
+        SLOT_SUM=slots if slot_weights is not None else 0, num_warps=warps, **gdc)
