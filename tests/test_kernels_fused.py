@@ -178,8 +178,8 @@ def test_selection_beyond_the_kernel_limit(monkeypatch):
         assert int(ok[row, :n].sum()) == int(rok[row, :n].sum())
     assert (idx[:, :n:c].diff(dim=1) > 0).all()  # block order
     assert torch.equal(idx[:, n:], ridx[:, n:]) and torch.equal(ok[:, n:], rok[:, n:])
-    from strata.kernels import gemv
-    monkeypatch.setattr(gemv, "tickets", lambda device: None)  # a stream without a ticket region: torch.topk
+    from strata.kernels import select
+    monkeypatch.setattr(select, "tickets", lambda device: None)  # a stream without a ticket region: torch.topk
     for a, b in zip(attention.select_tokens(q, blocks, positions, cfg), select_tokens(q, blocks, positions, cfg),
                     strict=True):
         assert torch.equal(a, b)

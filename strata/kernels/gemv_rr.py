@@ -133,28 +133,6 @@ def _q4_k_r_fma(acc, raw, xb, c, base, ASM: tl.constexpr):
 
 
 @triton.jit
-def _q4_k_r_rows(rp, xp, base, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr, ASM: tl.constexpr,
-                 GDC: tl.constexpr):
-    """[BR] fp32: the rows at byte pointers rp (16-byte aligned) times x at xp ([BR, 1, 1, 1] pointers, one x),
-    NCH super-blocks, SBC per loop step, the next step's words loaded before this one's arithmetic. The first
-    step's words are in flight before `pdl.wait(GDC)`."""
-    wp = rp.to(tl.pointer_type(tl.int32))[:, None, None, None]
-    s = tl.arange(0, SBC)[None, :, None, None]
-    c = tl.arange(0, 4)[None, None, :, None]
-    k = tl.arange(0, 4)[None, None, None, :]
-    NIT: tl.constexpr = NCH // SBC
-    nxt = _q4_k_r_load(wp, s, c, k)
-    pdl.wait(GDC)
-    acc = tl.zeros([BR, SBC, 4, 4], tl.float32)
-    for it in tl.range(0, NIT):
-        cur = nxt
-        nxt = _q4_k_r_load(wp, tl.minimum(it + 1, NIT - 1) * SBC + s, c, k)
-        sb = it * SBC + s
-        acc = _q4_k_r_fma(acc, cur, xp + sb * 256 + c * 64 + k, c, base, ASM)
-    return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
-
-
-@triton.jit
 def _q8_0_r_load(wp, hp, g, blk, k, D_STRIDE):
     """One chunk of Q8_0_R rows: words 4k..4k+3 and 4k+4..4k+7 of block blk of groups g, and the block's fp16 d
     (read with a stride the compiler cannot see, so its load takes the words' thread layout)."""
@@ -165,7 +143,7 @@ def _q8_0_r_load(wp, hp, g, blk, k, D_STRIDE):
 @triton.jit
 def _q8_0_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr,
                  ASM: tl.constexpr, GDC: tl.constexpr):
-    """`_q4_k_r_rows` for Q8_0_R rows: NCH groups of 256 weights."""
+    """`_super_block_rows` for Q8_0_R rows: NCH groups of 256 weights."""
     wp = rp.to(tl.pointer_type(tl.int32))[:, None, None, None]
     hp = rp.to(tl.pointer_type(tl.float16))[:, None, None, None]
     s = tl.arange(0, SBC)[None, :, None, None]
@@ -198,7 +176,7 @@ def _q5_1_r_load(wp, g, blk, k, D_STRIDE):
 @triton.jit
 def _q5_1_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr,
                  ASM: tl.constexpr, GDC: tl.constexpr):
-    """`_q4_k_r_rows` for Q5_1_R rows: NCH groups of 128 weights (four blocks; a thread takes one block's 16 nibble
+    """`_super_block_rows` for Q5_1_R rows: NCH groups of 128 weights (four blocks; a thread takes one block's 16 nibble
     bytes). The fifth bits land on bit 4 of each byte by one shift and one masked OR (`repack.py` placed them),
     and w = d q + m = fma(0.5 + q / 256, 256 d, m - 128 d)."""
     wp = rp.to(tl.pointer_type(tl.int32))[:, None, None, None]
@@ -264,21 +242,28 @@ def _q6_k_r_fma(acc, raw, xb, c, base, ASM: tl.constexpr):
 
 
 @triton.jit
-def _q6_k_r_rows(rp, xp, base, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr, ASM: tl.constexpr,
-                 GDC: tl.constexpr):
-    """`_q4_k_r_rows` for Q6_K_R rows: NCH super-blocks of 224 bytes."""
+def _super_block_rows(rp, xp, base, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr, ASM: tl.constexpr,
+                      GDC: tl.constexpr, Q6: tl.constexpr):
+    """[BR] fp32: the Q4_K_R rows (Q6_K_R with Q6) at byte pointers rp (16-byte aligned) times x at xp ([BR, 1, 1,
+    1] pointers, one x), NCH super-blocks, SBC per loop step, the next step's words loaded before this one's
+    arithmetic. The first step's words are in flight before `pdl.wait(GDC)`."""
     wp = rp.to(tl.pointer_type(tl.int32))[:, None, None, None]
     s = tl.arange(0, SBC)[None, :, None, None]
     c = tl.arange(0, 4)[None, None, :, None]
     k = tl.arange(0, 4)[None, None, None, :]
     NIT: tl.constexpr = NCH // SBC
-    nxt = _q6_k_r_load(wp, s, c, k)
+    nxt = _q6_k_r_load(wp, s, c, k) if Q6 else _q4_k_r_load(wp, s, c, k)
     pdl.wait(GDC)
     acc = tl.zeros([BR, SBC, 4, 4], tl.float32)
     for it in tl.range(0, NIT):
         cur = nxt
-        nxt = _q6_k_r_load(wp, tl.minimum(it + 1, NIT - 1) * SBC + s, c, k)
-        acc = _q6_k_r_fma(acc, cur, xp + (it * SBC + s) * 256 + c * 64 + k, c, base, ASM)
+        sb = tl.minimum(it + 1, NIT - 1) * SBC + s
+        nxt = _q6_k_r_load(wp, sb, c, k) if Q6 else _q4_k_r_load(wp, sb, c, k)
+        xb = xp + (it * SBC + s) * 256 + c * 64 + k
+        if Q6:
+            acc = _q6_k_r_fma(acc, cur, xb, c, base, ASM)
+        else:
+            acc = _q4_k_r_fma(acc, cur, xb, c, base, ASM)
     return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
 
 
@@ -334,17 +319,14 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
     NC: tl.constexpr = NCH // SPLIT
     rp = tl.multiple_of(rp + part * (NC * CHUNK_BYTES), 16)
     xp = (x_ptr + slot * x_slot_stride + part * (NC * CHUNK_ELEMS) + r * X_ROW_STRIDE)[:, None, None, None]
-    if KIND == "Q4_K_R":
-        res = _q4_k_r_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, NC, SBC, BR, ASM,
-                           GDC and not HAS_IDS)
+    if KIND == "Q4_K_R" or KIND == "Q6_K_R":
+        res = _super_block_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, NC, SBC, BR, ASM,
+                                GDC and not HAS_IDS, KIND == "Q6_K_R")
     elif KIND == "Q8_0_R":
         res = _q8_0_r_rows(rp, xp, tl.full([BR, SBC, 8, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
                            GDC and not HAS_IDS)
-    elif KIND == "Q5_1_R":
-        res = _q5_1_r_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
-                           GDC and not HAS_IDS)
     else:
-        res = _q6_k_r_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, NC, SBC, BR, ASM,
+        res = _q5_1_r_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
                            GDC and not HAS_IDS)
     pdl.started(GDC)
     last = 1

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from strata.config import ModelConfig
 from strata.kernels import pdl
-from strata.model.qsa import Rope
+from strata.model.qsa import Rope, inv_freq
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -129,12 +129,12 @@ def _rope_kernel(pos_ptr, inv_ptr, out_ptr, L, C, R: tl.constexpr, RH: tl.conste
 _INV_FREQ: dict[tuple[str, int, float], torch.Tensor] = {}
 
 
-def _inv_freq(device: torch.device, r: int, theta: float) -> torch.Tensor:
-    """The reference's inverse frequencies (`strata.model.qsa.rope_tables`), made once per device and kept, so a
-    captured step reads a fixed tensor instead of recomputing them (four small kernels)."""
-    key = (str(device), r, float(theta))
+def _inv_freq(device: torch.device, cfg: ModelConfig) -> torch.Tensor:
+    """`qsa.inv_freq`, made once per device and kept, so a captured step reads a fixed tensor instead of
+    recomputing it (four small kernels)."""
+    key = (str(device), cfg.rotary_dim, float(cfg.rope_theta))
     if key not in _INV_FREQ:
-        _INV_FREQ[key] = 1.0 / (theta ** (torch.arange(0, r, 2, dtype=torch.float32, device=device) / r))
+        _INV_FREQ[key] = inv_freq(cfg, device)
     return _INV_FREQ[key]
 
 
@@ -148,7 +148,7 @@ def rope_at(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype) -> Ro
     r = cfg.rotary_dim
     L = positions.shape[0]
     out = torch.empty(4, L, r, dtype=dtype, device=positions.device)
-    _rope_kernel[(L, 2)](positions.contiguous(), _inv_freq(positions.device, r, cfg.rope_theta), out, L,
+    _rope_kernel[(L, 2)](positions.contiguous(), _inv_freq(positions.device, cfg), out, L,
                          cfg.indexer_compress_ratio, R=r, RH=triton.next_power_of_2(max(1, r // 2)),
                          DT=TL_DTYPES[dtype], num_warps=1, **pdl.launch(positions.device))
     return Rope(out[0], out[1], out[2], out[3])

@@ -216,14 +216,12 @@ def decode_rows_triton(stored: torch.Tensor, table: StoredTensor, dtype: torch.d
 
 def embed_triton(ids: torch.Tensor, table: StoredTensor, dtype: torch.dtype) -> torch.Tensor:
     """`Ops.embed`: rows of a quantized 2-D table in device memory gathered as stored (no range check, so no host
-    synchronisation: ids are checked when they are staged) and decoded in one launch (`dequantize_rows`);
+    synchronisation: ids are checked when they are staged) and decoded in one launch (`decode_rows_triton`);
     anything else by the reference."""
-    raw = raw_rows(table) if table.kind in GEMV_TYPE_NAMES and len(table.shape) == 2 else None
-    if (raw is not None and raw.dtype == torch.uint8 and _on_gpu(ids) and raw.device == ids.device
-            and dtype in OUT_DTYPES and ids.numel() > 0):
-        cols = table.shape[1]
-        stored = raw.index_select(0, ids.reshape(-1).to(torch.int64))
-        return dequantize_rows(stored, table.kind, cols, dtype).reshape(*ids.shape, cols)
+    raw = raw_rows(table) if len(table.shape) == 2 else None
+    if raw is not None and raw.dtype == torch.uint8 and _on_gpu(ids) and raw.device == ids.device and ids.numel():
+        stored = raw.index_select(0, ids.reshape(-1).to(torch.int64)).reshape(*ids.shape, raw.shape[1])
+        return decode_rows_triton(stored, table, dtype)
     return embed_ref(ids, table, dtype)
 
 

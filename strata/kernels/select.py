@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from strata.kernels import pdl
+from strata.kernels.gemv import tickets
 
 DIGIT_BITS = 4
 """Key bits per radix pass: 8 passes of 16 bins cover the 32-bit key. Each pass counts the 16 bins by comparison
@@ -55,27 +56,35 @@ def _ukey(s):
 
 
 @triton.jit
-def _radix_pass(row, NB, need, pre, hmask, offs, bins, SHIFT: tl.constexpr,
-                BLOCK: tl.constexpr, NBINS: tl.constexpr, EVEN: tl.constexpr):
-    """One digit of the radix select: histogram the digit at SHIFT of the keys matching `pre` under `hmask`,
-    pick the digit holding the need-th largest, and narrow (need, pre, hmask); `going` is False once the chosen
-    bin holds exactly `need` keys (all of them are chosen, so the lower bits cannot matter)."""
+def _count_digits(row, lo, hi, pre, hmask, offs, bins, SHIFT: tl.constexpr, BLOCK: tl.constexpr,
+                  NBINS: tl.constexpr, EVEN: tl.constexpr):
+    """Counts [NBINS] of the digit at SHIFT among the keys of row[lo:hi] whose bits under `hmask` equal `pre`
+    (EVEN: hi - lo is a multiple of BLOCK, no bounds mask)."""
     DMASK: tl.constexpr = NBINS - 1
-    HM: tl.constexpr = ((DMASK << SHIFT) ^ 0x80000000) - 0x80000000  # the digit's bits, as an int32
     hist = tl.zeros([NBINS], tl.int32)
-    for c0 in range(0, NB, BLOCK):
+    for c0 in range(lo, hi, BLOCK):
         o = c0 + offs
         if EVEN:
             u = _ukey(tl.load(row + o))
             cand = (u & hmask) == pre
         else:
-            m = o < NB
+            m = o < hi
             u = _ukey(tl.load(row + o, mask=m, other=0.0))
             cand = m & ((u & hmask) == pre)
         # counted by comparison, not tl.histogram: its shared-memory atomics serialise when the keys share a
         # digit (the top digits of positive scores of one magnitude are all equal)
         hit = (((u >> SHIFT) & DMASK)[:, None] == bins[None, :]) & cand[:, None]
         hist += tl.sum(hit.to(tl.int32), axis=0)
+    return hist
+
+
+@triton.jit
+def _narrow(hist, bins, need, pre, hmask, SHIFT: tl.constexpr, NBINS: tl.constexpr):
+    """From the digit counts of a pass: the digit holding the need-th largest key, and the narrowed (need, pre,
+    hmask, going); `going` is False once the chosen bin holds exactly `need` keys (all of them are chosen, so the
+    lower bits cannot matter)."""
+    DMASK: tl.constexpr = NBINS - 1
+    HM: tl.constexpr = ((DMASK << SHIFT) ^ 0x80000000) - 0x80000000  # the digit's bits, as an int32
     ge = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys with digit >= d
     d = tl.sum((ge >= need).to(tl.int32), axis=0) - 1  # the digit holding the need-th largest
     pick = bins == d
@@ -83,6 +92,14 @@ def _radix_pass(row, NB, need, pre, hmask, offs, bins, SHIFT: tl.constexpr,
     inbin = tl.sum(tl.where(pick, hist, 0), axis=0)
     need = need - above
     return need, pre | (d << SHIFT), hmask | HM, inbin != need
+
+
+@triton.jit
+def _radix_pass(row, NB, need, pre, hmask, offs, bins, SHIFT: tl.constexpr,
+                BLOCK: tl.constexpr, NBINS: tl.constexpr, EVEN: tl.constexpr):
+    """One digit of the radix select over the whole row: `_count_digits`, then `_narrow`."""
+    hist = _count_digits(row, 0, NB, pre, hmask, offs, bins, SHIFT, BLOCK, NBINS, EVEN)
+    return _narrow(hist, bins, need, pre, hmask, SHIFT, NBINS)
 
 
 @triton.jit
@@ -265,32 +282,8 @@ WIDE_CHUNK = 512
 """Candidate blocks per program of `select_blocks_wide` (64 programs per query at 128K positions). H200, k = 512 of
 32,768 blocks: 21 us at 512, 26 at 1024, 35 at 2048 (torch.topk and the expansion: 58 us; the one-program
 kernel: 198 us)."""
-WIDE_DIGIT_BITS = 4
-"""Key bits per pass of `select_blocks_wide`: eight passes (launches) of 16 bins. 8-bit digits (four passes of 256
-bins, counted 16 at a time, each group a cross-warp reduction) took 58-185 us at 32,768 blocks on an H200."""
 WIDE_MAX_L = 8
 """Queries per call `select_blocks_wide` serves (decode and short verify batches)."""
-
-
-@triton.jit
-def _wide_hist(row, lo, hi, pre, hmask, SHIFT: tl.constexpr, BLOCK: tl.constexpr, NBINS: tl.constexpr):
-    """Counts of the digit at SHIFT among the keys of row[lo:hi] whose bits under `hmask` equal `pre`: [NBINS]
-    int32, counted by comparison 16 bins at a time into a [NBINS / 16, 16] tile."""
-    NG: tl.constexpr = NBINS // 16
-    offs = tl.arange(0, BLOCK)
-    b16 = tl.arange(0, 16)
-    grp = tl.arange(0, NG)
-    hist = tl.zeros([NG, 16], tl.int32)
-    for c0 in range(lo, hi, BLOCK):
-        o = c0 + offs
-        m = o < hi
-        u = _ukey(tl.load(row + o, mask=m, other=0.0))
-        cand = m & ((u & hmask) == pre)
-        dig = (u >> SHIFT) & (NBINS - 1)
-        for g in tl.static_range(NG):
-            hit = ((dig[:, None] == (g * 16 + b16)[None, :]) & cand[:, None]).to(tl.int32)
-            hist += tl.where(grp[:, None] == g, tl.sum(hit, axis=0)[None, :], 0)
-    return tl.reshape(hist, [NBINS])
 
 
 @triton.jit
@@ -298,8 +291,8 @@ def _wide_pass_kernel(s_ptr, st_ptr, hist_ptr, cnt_ptr, NB, K, CH, P, s_sl,
                       SHIFT: tl.constexpr, FIRST: tl.constexpr, BLOCK: tl.constexpr, NBINS: tl.constexpr,
                       GDC: tl.constexpr = False):
     """One radix pass over one query's row by P programs (program (p, l): blocks [p CH, (p + 1) CH) of query l):
-    each adds its digit counts to the query's histogram (integer atomics: the sums do not depend on their
-    order); the last to draw a ticket picks the digit as `_radix_pass` does, stores the narrowed state
+    each adds its digit counts (`_count_digits`) to the query's histogram (integer atomics: the sums do not
+    depend on their order); the last to draw a ticket picks the digit (`_narrow`), stores the narrowed state
     (need, prefix, mask, going) and puts the histogram and its ticket back to zero."""
     pdl.started(GDC)
     pdl.wait(GDC)
@@ -322,24 +315,17 @@ def _wide_pass_kernel(s_ptr, st_ptr, hist_ptr, cnt_ptr, NB, K, CH, P, s_sl,
         going = tl.load(st + 3) != 0
     if going:
         lo = p * CH
-        hist = _wide_hist(row, lo, tl.minimum(lo + CH, NB), pre, hmask, SHIFT, BLOCK, NBINS)
         bins = tl.arange(0, NBINS)
+        hist = _count_digits(row, lo, tl.minimum(lo + CH, NB), pre, hmask, tl.arange(0, BLOCK), bins, SHIFT, BLOCK,
+                             NBINS, False)
         hp = hist_ptr + l * NBINS + bins
         tl.atomic_add(hp, hist, sem="relaxed", scope="gpu")
         tl.debug_barrier()  # every thread's counts are added before the ticket is drawn
         if tl.atomic_add(cnt_ptr + l, 1, sem="acq_rel", scope="gpu") == P - 1:
             hist = tl.atomic_xchg(hp, tl.zeros([NBINS], tl.int32), sem="relaxed", scope="gpu")
-            DMASK: tl.constexpr = NBINS - 1
-            HM: tl.constexpr = ((DMASK << SHIFT) ^ 0x80000000) - 0x80000000
-            ge = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys with digit >= d
-            d = tl.sum((ge >= need).to(tl.int32), axis=0) - 1
-            pick = bins == d
-            above = tl.sum(tl.where(pick, ge - hist, 0), axis=0)
-            inbin = tl.sum(tl.where(pick, hist, 0), axis=0)
-            need = need - above
+            need, pre, hmask, going = _narrow(hist, bins, need, pre, hmask, SHIFT, NBINS)
             i4 = tl.arange(0, 4)
-            state = tl.where(i4 == 0, need, tl.where(i4 == 1, pre | (d << SHIFT),
-                                                     tl.where(i4 == 2, hmask | HM, (inbin != need).to(tl.int32))))
+            state = tl.where(i4 == 0, need, tl.where(i4 == 1, pre, tl.where(i4 == 2, hmask, going.to(tl.int32))))
             tl.store(st + i4, state)
             tl.atomic_xchg(cnt_ptr + l, 0, sem="relaxed", scope="gpu")
 
@@ -422,20 +408,6 @@ def _wide_compact_kernel(s_ptr, pos_ptr, st_ptr, n_ptr, idx_ptr, ok_ptr, NB, K, 
         _tail(out_i, out_o, pos_ptr, l, K, C, TP)
 
 
-_wide_hists: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _wide_hist_buffer(device: torch.device) -> torch.Tensor:
-    """The histograms of `select_blocks_wide` on the current stream: zeros, and back to zero after every pass
-    (the last program of each query zeroes its row). Made on first use (a decode step's warm-up, before any
-    capture) and kept, so captured graphs share it; one per stream, as the split-K tickets."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    if key not in _wide_hists:
-        _wide_hists[key] = torch.zeros(WIDE_MAX_L, 1 << WIDE_DIGIT_BITS, dtype=torch.int32, device=device)
-    return _wide_hists[key]
-
-
 def wide_supported(scores: torch.Tensor) -> bool:
     return scores.dim() == 2 and 1 <= scores.shape[0] <= WIDE_MAX_L and scores.dtype == torch.float32
 
@@ -443,12 +415,11 @@ def wide_supported(scores: torch.Tensor) -> bool:
 def select_blocks_wide(scores: torch.Tensor, positions: torch.Tensor, k: int, c: int, chunk: int = WIDE_CHUNK,
                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`select_blocks` for long rows: the same chosen set, order and outputs, with each query's row spread over
-    cdiv(nb, chunk) programs. 32 // WIDE_DIGIT_BITS radix passes, then a count and a compaction: ten launches of
+    cdiv(nb, chunk) programs. 32 // DIGIT_BITS radix passes, then a count and a compaction: ten launches of
     short programs instead of one program streaming the row eight times (197 us at 32,768 blocks on an H200).
-    The passes meet through a per-query histogram of integer atomics and a ticket; no host sync: capturable.
+    The passes meet through a per-query histogram of integer atomics and a ticket, both kept in the stream's
+    split-K ticket counters (`gemv.tickets`: zeros between launches); no host sync: capturable.
     None when the current stream has no split-K ticket region (`gemv.tickets`): the caller takes another path."""
-    from strata.kernels.gemv import tickets
-
     L, nb = scores.shape
     assert 0 <= k <= nb and c >= 1 and wide_supported(scores)
     dev = scores.device
@@ -463,16 +434,15 @@ def select_blocks_wide(scores: torch.Tensor, positions: torch.Tensor, k: int, c:
     P = max(1, triton.cdiv(nb, chunk))
     block = min(chunk, 1024)
     cnt = tickets(dev)
-    if cnt is None or cnt.numel() < L:  # no ticket region left for this stream: the caller's other path
+    if cnt is None:  # no ticket region left for this stream: the caller's other path
         return None
-    hist = _wide_hist_buffer(dev)
+    hist = cnt[WIDE_MAX_L:WIDE_MAX_L + L * BINS]  # zeros like the tickets, and zeroed again by the last program
     st = torch.empty(L, 4, dtype=torch.int32, device=dev)
     counts = torch.empty(L, 2, P, dtype=torch.int32, device=dev)
-    nbins = 1 << WIDE_DIGIT_BITS
     gdc = pdl.launch(dev)
-    for i in range(32 // WIDE_DIGIT_BITS):
+    for i in range(32 // DIGIT_BITS):
         _wide_pass_kernel[(P, L)](scores, st, hist, cnt, nb, k, chunk, P, scores.stride(0),
-                                  SHIFT=32 - WIDE_DIGIT_BITS * (i + 1), FIRST=i == 0, BLOCK=block, NBINS=nbins,
+                                  SHIFT=32 - DIGIT_BITS * (i + 1), FIRST=i == 0, BLOCK=block, NBINS=BINS,
                                   num_warps=4, **gdc)
     _wide_count_kernel[(P, L)](scores, st, counts, nb, k, chunk, P, scores.stride(0), BLOCK=block, num_warps=4,
                                **gdc)

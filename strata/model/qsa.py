@@ -27,11 +27,15 @@ if TYPE_CHECKING:
     from strata.model.ops import Ops
 
 
+def inv_freq(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
+    """RoPE's inverse frequencies (r/2,) fp32: 1 / theta^(2i / r)."""
+    r = cfg.rotary_dim
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float32, device=device) / r))
+
+
 def rope_tables(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin (L, r) for integer positions, computed in fp32 and cast to the model dtype."""
-    r = cfg.rotary_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float32, device=positions.device) / r))
-    freqs = positions.float()[:, None] * inv_freq
+    freqs = positions.float()[:, None] * inv_freq(cfg, positions.device)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -209,14 +209,21 @@ def q5_k(blocks: Tensor) -> Tensor:
     return _k_scaled(blocks, low | (high << 4))
 
 
+def q6_k_values(blocks: Tensor) -> Tensor:
+    """The 6-bit values q (0..63) of Q6_K blocks in weight order, (n, 256) int32: the nibble of ql with two bits
+    of qh on top (the weight is d*sc*(q - 32))."""
+    n = blocks.shape[0]
+    low = bits(ints(blocks, 0, 128).reshape(n, 2, 64), (0, 4), 0xF, dim=-2).reshape(n, 8, 32)
+    high = bits(ints(blocks, 128, 192).reshape(n, 2, 32), (0, 2, 4, 6), 3, dim=-2).reshape(n, 8, 32)
+    return (low | (high << 4)).reshape(n, QK_K)
+
+
 def q6_k(blocks: Tensor) -> Tensor:
     """128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, d; w = d*sc*(q - 32)."""
     n = blocks.shape[0]
     sc = blocks[:, 192:208].view(torch.int8).to(torch.float32)
     d = (f16_at(blocks, 208) * sc).reshape(n, 16, 1)
-    low = bits(ints(blocks, 0, 128).reshape(n, 2, 64), (0, 4), 0xF, dim=-2).reshape(n, 8, 32)
-    high = bits(ints(blocks, 128, 192).reshape(n, 2, 32), (0, 2, 4, 6), 3, dim=-2).reshape(n, 8, 32)
-    q = ((low | (high << 4)) - 32).reshape(n, 16, 16)
+    q = (q6_k_values(blocks) - 32).reshape(n, 16, 16)
     return (d * q.to(torch.float32)).reshape(n, QK_K)
 
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from strata.weights.quants_k import q4_k, q5_1, q6_k, q8_0
+from strata.weights.quants_k import q4_k, q5_1, q6_k, q6_k_values, q8_0
 
 Q8_0_ID = 8
 Q8_0_R8_ID = 1008
@@ -139,15 +139,16 @@ def _move_bits(words: Tensor, to: list[int]) -> Tensor:
     return torch.stack([(out >> (8 * i)) & 255 for i in range(4)], -1).to(torch.uint8)
 
 
-def _by_row_chunks(fn, rows: Tensor, k: int, chunk_bytes: int = 64 << 20) -> Tensor:
+def _by_row_chunks(fn, rows: Tensor, k: int, chunk_bytes: int = 64 << 20, out_cols: int | None = None) -> Tensor:
     """fn(row chunk, k) over chunks of at most ~chunk_bytes of `rows` ((..., row_bytes) uint8), into one new
-    tensor: a reorder of a stack of many GB needs only a chunk's temporaries."""
+    tensor of rows of `out_cols` bytes (default: as many as the input's): a reorder of a stack of many GB needs
+    only a chunk's temporaries."""
     flat = rows.reshape(-1, rows.shape[-1])
-    out = torch.empty_like(flat)
+    out = flat.new_empty(flat.shape[0], out_cols or flat.shape[1])
     step = max(1, chunk_bytes // max(1, flat.shape[1]))
     for i in range(0, flat.shape[0], step):
         out[i:i + step] = fn(flat[i:i + step], k)
-    return out.reshape(rows.shape)
+    return out.reshape(*rows.shape[:-1], out.shape[1])
 
 
 def q5_1_r(blocks: Tensor) -> Tensor:
@@ -186,24 +187,11 @@ def pad_q6_k(rows: Tensor, k: int) -> Tensor:
     return torch.cat([b, pad], -1).reshape(*lead, -1)
 
 
-def _q6_values(blocks: Tensor) -> Tensor:
-    """(n, 210) Q6_K blocks -> (n, 256) int64 6-bit values q (the weight is d sc (q - 32))."""
-    n = blocks.shape[0]
-    b = blocks.to(torch.int64)
-    ql = b[:, :128].reshape(n, 2, 2, 32)  # [half, a, l]: ql[64 half + 32 a + l]
-    qh = b[:, 128:192].reshape(n, 2, 1, 32)  # [half, -, l]
-    q = torch.empty(n, 2, 2, 2, 32, dtype=torch.int64, device=blocks.device)  # [half, nibble, a, l]
-    for nib in range(2):
-        for a in range(2):
-            q[:, :, nib, a] = ((ql[:, :, a] >> (4 * nib)) & 15) | (((qh[:, :, 0] >> (4 * nib + 2 * a)) & 3) << 4)
-    return q.reshape(n, 256)  # element 128 half + 64 nibble + 32 a + l
-
-
 def _reorder_q6_k(rows: Tensor, k: int) -> Tensor:
     n = rows.shape[0]
     nb = k // 256
     blocks = rows.reshape(n * nb, Q6_K_BYTES)
-    q = _q6_values(blocks).reshape(-1, 4, 2, 32)  # [block, group c, low/high half of the group, 8b + w]
+    q = q6_k_values(blocks).reshape(-1, 4, 2, 32)  # [block, group c, low/high half of the group, 8b + w]
     nib = _transpose_words((q[:, :, 0] & 15) | ((q[:, :, 1] & 15) << 4))  # byte 4w + b = weights 8b + w, 32 + 8b + w
     hi = (q >> 4).reshape(-1, 4, 2, 4, 2, 4)  # [.., half, b, w4 = w // 4, w % 4]
     high = (hi[:, :, 0, :, 0] | (hi[:, :, 0, :, 1] << 2) | (hi[:, :, 1, :, 0] << 4) | (hi[:, :, 1, :, 1] << 6))
@@ -217,19 +205,14 @@ def _reorder_q6_k(rows: Tensor, k: int) -> Tensor:
 
 def reorder_q6_k(rows: Tensor, k: int) -> Tensor:
     """(..., k/256*210) Q6_K rows -> the same weights as Q6_K_R rows (224 bytes per block); a new tensor."""
-    lead = rows.shape[:-1]
-    flat = rows.reshape(-1, rows.shape[-1])
-    out = torch.empty(flat.shape[0], k // 256 * Q6_K_P_BYTES, dtype=torch.uint8, device=rows.device)
-    step = max(1, (64 << 20) // max(1, flat.shape[1] * 16))  # the int64 temporaries: ~16x the chunk's bytes
-    for i in range(0, flat.shape[0], step):
-        out[i:i + step] = _reorder_q6_k(flat[i:i + step], k)
-    return out.reshape(*lead, -1)
+    # int32 temporaries: ~8x a chunk's bytes
+    return _by_row_chunks(_reorder_q6_k, rows, k, 8 << 20, out_cols=k // 256 * Q6_K_P_BYTES)
 
 
 def q6_k_r(blocks: Tensor) -> Tensor:
     """(n, 224) Q6_K_R blocks -> (n, 256) float32: w = d sc (q - 32), as Q6_K's decoder computes it."""
     n = blocks.shape[0]
-    b = blocks.to(torch.int64)
+    b = blocks.to(torch.int32)
     sc = blocks[:, :16].view(torch.int8).to(torch.float32)
     d = blocks[:, 208:210].contiguous().view(torch.float16).to(torch.float32)
     nib = _untranspose_words(b[:, 16:144].reshape(n, 2, 4, 16).transpose(1, 2).reshape(n, 4, 32))
