@@ -62,6 +62,46 @@ def test_gdn_step_matches_reference(order, gate):
         assert torch.allclose(ours.recurrent, ref.recurrent, atol=1e-5, rtol=0)
 
 
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        raise AssertionError("the one-launch path launched the second kernel")
+
+
+@pytest.mark.parametrize("order,gate,dtype,K,block_v,heads", [
+    ("grouped", "silu", torch.float32, 4, 8, (2, 4)), ("tiled", "sigmoid", torch.float32, 4, 8, (2, 4)),
+    ("tiled", "silu", torch.bfloat16, 2, 16, (1, 2)), ("grouped", "sigmoid", torch.float32, 3, 4, (2, 2))])
+def test_gdn_step_one_launch_equals_two(monkeypatch, order, gate, dtype, K, block_v, heads):
+    """The ticketed one-launch step (norm by the last program of each value head, q / k window shift by the
+    last program of each key head) gives the two-launch path's bits: output, conv window and state, over
+    consecutive tokens (each window shift feeds the next conv); the ticket counters are back at zero."""
+    from strata.kernels import gemv
+
+    cfg = config(output_gate_type=gate, linear_conv_kernel_dim=K, linear_num_key_heads=heads[0],
+                 linear_num_value_heads=heads[1])
+    g = torch.Generator().manual_seed(5)
+    C, nv, dk, dv = (cfg.gdn_conv_dim, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                     cfg.linear_value_head_dim)
+    rnd = lambda *s: torch.randn(*s, generator=g)
+    prm = GDNParams(rnd(C, K) * 0.5, -torch.rand(nv, generator=g) * 2, rnd(nv), rnd(dv), order)
+    one = GDNState(rnd(C, K - 1).to(dtype), rnd(nv, dk, dv))
+    two = one.clone()
+    cnt = gemv.tickets(torch.device("cpu"))
+    for _ in range(4):
+        x, z, b, a = (t.to(dtype) for t in (rnd(1, C), rnd(1, nv * dv), rnd(1, nv), rnd(1, nv) * 4))
+        with monkeypatch.context() as m:
+            m.setattr(gdn, "tickets", lambda device: None)
+            want = gdn.gdn_step(x, z, b, a, prm, two, cfg, block_v=block_v)
+        with monkeypatch.context() as m:
+            m.setattr(gdn, "_gdn_out_kernel", _NoLaunch())
+            got = gdn.gdn_step(x, z, b, a, prm, one, cfg, block_v=block_v)
+        assert torch.equal(got, want)
+        assert torch.equal(one.conv, two.conv)
+        assert torch.equal(one.recurrent, two.recurrent)
+        assert int(cnt.abs().sum()) == 0
+    assert torch.equal(one.conv[:, -1], x[0])  # the last token is the window's last tap
+
+
 # ------------------------------------------------------------------------------------------------ attention
 @pytest.mark.parametrize("L,W,split,dtype", [(1, 11, None, torch.float32), (1, 300, 32, torch.float32),
                                              (3, 70, 64, torch.float32), (1, 70, 32, torch.bfloat16)])

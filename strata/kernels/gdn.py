@@ -5,17 +5,27 @@ geometry) is by far the largest thing this op touches, so the state is read and 
 place, and the small per-token work (conv, gates, l2 norms) is recomputed where it is needed rather than
 round-tripped through memory.
 
-Two launches, because two things need every program of the first one to have finished:
+One launch, `_gdn_step_kernel`, grid (nv, dv / BV): each program owns a (dk, BV) column slab of one value
+head's state. It computes the causal conv + activation of its q / k channels (the whole dk of its key head,
+recomputed by each program that shares the key head: 2 x 128 channels x 4 taps, negligible) and of its BV value
+channels, reading the *old* conv window, then runs the delta-rule step on its slab and writes the head's output
+slice (rounded to the model dtype, as the reference casts o before the norm). Splitting dv gives
+nv * dv / BV programs (192 at the real geometry), enough to keep the H200's memory system busy.
 
-1. `_gdn_step_kernel`, grid (nv, dv / BV): each program owns a (dk, BV) column slab of one value head's state.
-   It computes the causal conv + activation of its q / k channels (the whole dk of its key head, recomputed
-   by each program that shares the key head: 2 x 128 channels x 4 taps, negligible) and of its BV value
-   channels, reading the *old* conv window, then runs the delta-rule step on its slab and writes the head's
-   output slice (rounded to the model dtype, as the reference casts o before the norm). Splitting dv gives
-   nv * dv / BV programs (192 at the real geometry), enough to keep the H200's memory system busy.
-2. `_gdn_out_kernel`, grid (nv,): the gated RMSNorm needs the whole dv vector of a head, which spans
-   programs of launch 1; and the conv window may only be shifted once nobody reads the old one any more.
-   Each program normalises one head and shifts a 1/nv share of the conv window.
+Two things need other programs to have finished, and tickets (`strata.kernels.gemv.tickets`, as in split-K)
+hand each to the last program to get there instead of to a second launch (~3.5 us per layer on an H200):
+
+- the gated RMSNorm needs the whole dv vector of a head: each program stores its o slice, then draws a ticket on
+  its value head's counter; the one drawing the last reads the siblings' slices back (from L2) and normalises.
+- the conv window may only be shifted once nobody reads the old one. A program's value channels are read by it
+  alone, so it shifts them itself after a barrier. The q / k channels of a key head are read by the REP x
+  dv / BV programs of its value heads, so each draws a ticket on the key head's counter after its reads, and the
+  last shifts them (from values every program loaded before its ticket, so no load follows the ticket).
+
+Tickets are drawn after a barrier with acq_rel: everything a program read or wrote before is ordered before what
+the last one does after its ticket. The last one puts each counter back to 0, so a graph replay finds zeros.
+Norm and shift are the same ops as the two-launch path (`_gdn_out_kernel`, kept for a stream without a ticket
+region), so the two give the same bits.
 
 Roundings follow the reference op by op (conv and SiLU rounded to the model dtype, beta = sigmoid in the
 model dtype, g and the delta rule in fp32, norm -> model dtype -> weight product in model dtype -> gate in
@@ -31,6 +41,7 @@ import triton.language as tl
 
 from strata.config import ModelConfig
 from strata.kernels import pdl
+from strata.kernels.gemv import tickets
 from strata.model.gdn import GDNParams
 from strata.runtime.state import GDNState
 
@@ -58,10 +69,54 @@ def _conv_act(x_ptr, win_ptr, w_ptr, ch, cmask, K: tl.constexpr, KP: tl.constexp
 
 
 @triton.jit
+def _window_next(x_ptr, win_ptr, ch, n, K: tl.constexpr, KP: tl.constexpr):
+    """The conv window of channels `ch` (those with ch < n) after this token, in the window's dtype: new tap
+    t = old tap t + 1, the last tap = x. A load of the *old* window: call it before anyone shifts it."""
+    taps = tl.arange(0, KP)
+    nxt = tl.load(win_ptr + ch[:, None] * (K - 1) + taps[None, :] + 1,
+                  mask=(ch[:, None] < n) & (taps[None, :] < K - 2), other=0.0)
+    xv = tl.load(x_ptr + ch, mask=ch < n, other=0.0).to(win_ptr.dtype.element_ty)
+    return tl.where(taps[None, :] == K - 2, xv[:, None], nxt)
+
+
+@triton.jit
+def _window_store(win_ptr, ch, n, nxt, K: tl.constexpr, KP: tl.constexpr):
+    """Store `_window_next`'s values of channels `ch` (those with ch < n)."""
+    taps = tl.arange(0, KP)
+    tl.store(win_ptr + ch[:, None] * (K - 1) + taps[None, :], nxt,
+             mask=(ch[:, None] < n) & (taps[None, :] < K - 1))
+
+
+@triton.jit
+def _gated_norm(o_ptr, z_ptr, nw_ptr, out_ptr, j, n, DV, eps, BD: tl.constexpr, SILU_GATE: tl.constexpr,
+                DT: tl.constexpr):
+    """out[j] = RMSNorm(o[j]) * w * gate(z[j]) for value head j, with the reference's roundings; elements
+    d < n only (n = DV, or 0 for a program that is not to store). o is read past L1 (`.cg`): other programs
+    of the launch may have written it."""
+    d = tl.arange(0, BD)
+    dm = d < n
+    o = tl.load(o_ptr + j * DV + d, mask=dm, other=0.0, cache_modifier=".cg").to(tl.float32)
+    var = tl.sum(o * o, axis=0) / DV
+    nrm = (o * tl.rsqrt(var + eps)).to(DT).to(tl.float32)
+    w = tl.load(nw_ptr + d, mask=dm, other=0.0).to(DT).to(tl.float32)
+    p = (w * nrm).to(DT).to(tl.float32)
+    z = tl.load(z_ptr + j * DV + d, mask=dm, other=0.0).to(tl.float32)
+    if SILU_GATE:
+        gate = z * tl.sigmoid(z)
+    else:
+        gate = tl.sigmoid(z)
+    tl.store(out_ptr + j * DV + d, (p * gate).to(DT), mask=dm)
+
+
+@triton.jit
 def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr, S_ptr, o_ptr,
-                     NK, DK, DV, KEY_DIM, REP, q_scale,
-                     K: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     TILED: tl.constexpr, SILU: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False):
+                     z_ptr, nw_ptr, out_ptr, cnt_ptr,
+                     NK, NV, DK, DV, KEY_DIM, REP, NVB, q_scale, eps,
+                     K: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr,
+                     TILED: tl.constexpr, SILU: tl.constexpr, SILU_GATE: tl.constexpr, DT: tl.constexpr,
+                     FUSED: tl.constexpr, GDC: tl.constexpr = False):
+    """The step of one (dk, BV) state slab; with FUSED also the gated norm and the conv window shift (tickets
+    in cnt: NV value-head counters, then NK key-head counters), else `_gdn_out_kernel` does those."""
     pdl.started(GDC)
     pdl.wait(GDC)
     j = tl.program_id(0)  # value head
@@ -78,6 +133,10 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
     q = _conv_act(x_ptr, win_ptr, convw_ptr, kh * DK + i, im, K, KP, SILU, DT)
     k = _conv_act(x_ptr, win_ptr, convw_ptr, KEY_DIM + kh * DK + i, im, K, KP, SILU, DT)
     v = _conv_act(x_ptr, win_ptr, convw_ptr, 2 * KEY_DIM + j * DV + vcol, vm, K, KP, SILU, DT)
+    if FUSED:  # the next window, loaded while the old one is intact (channel bounds as masks: see _window_next)
+        qn = _window_next(x_ptr, win_ptr, kh * DK + i, kh * DK + DK, K, KP)
+        kn = _window_next(x_ptr, win_ptr, KEY_DIM + kh * DK + i, KEY_DIM + kh * DK + DK, K, KP)
+        vn = _window_next(x_ptr, win_ptr, 2 * KEY_DIM + j * DV + vcol, 2 * KEY_DIM + j * DV + DV, K, KP)
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
 
@@ -98,27 +157,37 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
     tl.store(sp_ptrs, S, mask=smask)
     tl.store(o_ptr + j * DV + vcol, o.to(DT), mask=vm)
 
+    if FUSED:
+        # every thread of this program has read the old window and stored its o before any ticket is drawn
+        # and before this program's value channels are overwritten (they are read by no other program)
+        tl.debug_barrier()
+        _window_store(win_ptr, 2 * KEY_DIM + j * DV + vcol, 2 * KEY_DIM + j * DV + DV, vn, K, KP)
+
+        # q / k window of key head kh: shifted by the last of its REP * NVB readers (masks are bounds, not
+        # boolean ands: the interpreter rejects the latter)
+        kcnt = cnt_ptr + NV + kh
+        klast = tl.where(tl.atomic_add(kcnt, 1, sem="acq_rel", scope="gpu") == REP * NVB - 1, 1, 0)
+        _window_store(win_ptr, kh * DK + i, kh * DK + DK * klast, qn, K, KP)
+        _window_store(win_ptr, KEY_DIM + kh * DK + i, KEY_DIM + kh * DK + DK * klast, kn, K, KP)
+        tl.atomic_add(kcnt, -REP * NVB * klast, sem="relaxed", scope="gpu")  # back to 0 for the next launch
+
+        # gated norm of value head j by the last of its NVB programs
+        vcnt = cnt_ptr + j
+        vlast = tl.where(tl.atomic_add(vcnt, 1, sem="acq_rel", scope="gpu") == NVB - 1, 1, 0)
+        _gated_norm(o_ptr, z_ptr, nw_ptr, out_ptr, j, DV * vlast, DV, eps, BD, SILU_GATE, DT)
+        tl.atomic_add(vcnt, -NVB * vlast, sem="relaxed", scope="gpu")
+
 
 @triton.jit
 def _gdn_out_kernel(o_ptr, z_ptr, nw_ptr, out_ptr, x_ptr, win_ptr, DV, C, CH_PER, eps,
                     K: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr, SILU_GATE: tl.constexpr,
                     DT: tl.constexpr, GDC: tl.constexpr = False):
+    """The two-launch path's second launch (a stream without ticket counters): the gated norm of head j and
+    the shift of a 1/nv share of the conv window, once every program of the step kernel has finished."""
     pdl.started(GDC)
     pdl.wait(GDC)
     j = tl.program_id(0)
-    d = tl.arange(0, BD)
-    dm = d < DV
-    o = tl.load(o_ptr + j * DV + d, mask=dm, other=0.0).to(tl.float32)
-    var = tl.sum(o * o, axis=0) / DV
-    n = (o * tl.rsqrt(var + eps)).to(DT).to(tl.float32)
-    w = tl.load(nw_ptr + d, mask=dm, other=0.0).to(DT).to(tl.float32)
-    p = (w * n).to(DT).to(tl.float32)
-    z = tl.load(z_ptr + j * DV + d, mask=dm, other=0.0).to(tl.float32)
-    if SILU_GATE:
-        gate = z * tl.sigmoid(z)
-    else:
-        gate = tl.sigmoid(z)
-    tl.store(out_ptr + j * DV + d, (p * gate).to(DT), mask=dm)
+    _gated_norm(o_ptr, z_ptr, nw_ptr, out_ptr, j, DV, DV, eps, BD, SILU_GATE, DT)
 
     # shift this program's share of the conv window: new[:, t] = [old | x][:, t + 1]
     for c0 in range(0, CH_PER, BC):
@@ -152,18 +221,29 @@ def gdn_step(x: torch.Tensor, z: torch.Tensor, b: torch.Tensor, alpha: torch.Ten
     x, z, b, alpha = x.contiguous(), z.contiguous(), b.contiguous(), alpha.contiguous()
     convw = prm.conv.to(dt).contiguous()
     A, dtb = prm.A.float().contiguous(), prm.dt_bias.float().contiguous()
+    assert C == 2 * cfg.gdn_key_dim + nv * dv and nv % nk == 0 and x.shape[-1] == C, "GDN geometry"
     bv = min(block_v, triton.next_power_of_2(dv))
+    nvb = triton.cdiv(dv, bv)
+    bd = triton.next_power_of_2(dv)
+    nw = prm.norm.float().contiguous()
+    silu_gate = cfg.gdn_gate_act == "silu"
+    cnt = tickets(x.device)
+    if cnt is not None and nv + nk > cnt.numel():
+        cnt = None
     o = torch.empty(nv * dv, dtype=dt, device=x.device)
-    _gdn_step_kernel[(nv, triton.cdiv(dv, bv))](
-        x, b, alpha, convw, state.conv, A, dtb, state.recurrent, o,
-        nk, dk, dv, cfg.gdn_key_dim, nv // nk, dk ** -0.5,
-        K=K, KP=triton.next_power_of_2(K), BK=triton.next_power_of_2(dk), BV=bv,
-        TILED=prm.value_order == "tiled", SILU=cfg.hidden_act == "silu", DT=TL_DTYPES[dt],
-        **pdl.launch(x.device))
     out = torch.empty(1, nv * dv, dtype=dt, device=x.device)
-    ch_per = triton.cdiv(C, nv)
-    _gdn_out_kernel[(nv,)](
-        o, z, prm.norm.float().contiguous(), out, x, state.conv, dv, C, ch_per, cfg.rms_norm_eps,
-        K=K, BD=triton.next_power_of_2(dv), BC=min(256, triton.next_power_of_2(ch_per)),
-        SILU_GATE=cfg.gdn_gate_act == "silu", DT=TL_DTYPES[dt], **pdl.launch(x.device))
+    # one launch: the q / k / v channels of the step's programs cover all C = 2 * key_dim + nv * dv channels
+    # once each (asserted above), so each is shifted once
+    _gdn_step_kernel[(nv, nvb)](
+        x, b, alpha, convw, state.conv, A, dtb, state.recurrent, o, z, nw, out, cnt if cnt is not None else o,
+        nk, nv, dk, dv, cfg.gdn_key_dim, nv // nk, nvb, dk ** -0.5, cfg.rms_norm_eps,
+        K=K, KP=triton.next_power_of_2(K), BK=triton.next_power_of_2(dk), BV=bv, BD=bd,
+        TILED=prm.value_order == "tiled", SILU=cfg.hidden_act == "silu", SILU_GATE=silu_gate, DT=TL_DTYPES[dt],
+        FUSED=cnt is not None, **pdl.launch(x.device))
+    if cnt is None:  # no ticket counters on this stream: the norm and shift in a second launch
+        ch_per = triton.cdiv(C, nv)
+        _gdn_out_kernel[(nv,)](
+            o, z, nw, out, x, state.conv, dv, C, ch_per, cfg.rms_norm_eps,
+            K=K, BD=bd, BC=min(256, triton.next_power_of_2(ch_per)),
+            SILU_GATE=silu_gate, DT=TL_DTYPES[dt], **pdl.launch(x.device))
     return out
