@@ -3,9 +3,9 @@
 Each installed entry keeps the reference's signature and decides per call: the kernel when the inputs live on a
 CUDA device (or when `force` is set, which is how the CPU tests run the kernels under TRITON_INTERPRET=1) and
 the shape case is one the kernel handles (one token for GDN and the hyper-connection read, a few queries for
-attention, a few tokens for the MoE router, routing and combine), else the entry it replaces in `base`. So
-prefill, quantized weights and CPU runs keep the reference math, and a captured decode step gets the kernels
-without the model knowing.
+attention, a few tokens for the MoE routing and combine), else the entry it replaces in `base`. So prefill,
+quantized weights and CPU runs keep the reference math, and a captured decode step gets the kernels without the
+model knowing.
 
 The indexer selection entry (`select_tokens`) is replaced when it holds the reference function.
 """
@@ -51,9 +51,6 @@ def fused_ops(base: Ops, force: bool = False) -> Ops:
         "norm_rope": (norm_rope_kernel.norm_rope, lambda x, scale, cos, *_: norm_rope_kernel.supported(x, scale, cos)),
         "rope": (norm_rope_kernel.rope_at, norm_rope_kernel.rope_supported),
         "route": (moe.route, lambda logits, k, _: moe.route_supported(logits, k)),
-        # the kernel needs no `linears` / `linear` / `route` (the fallback's parts)
-        "router": (lambda a, r, g, k, norm, *_: moe.router(a, r, g, k, norm),
-                   lambda a, r, g, k, *_: moe.router_supported(a, r, g, k)),
         "moe_combine": (moe.moe_combine, moe.combine_supported),
         "hc_write": (hc_write_kernel.hc_write, hc_write_kernel.supported),
         "ple_mix": (ple_kernel.ple_mix, lambda x, key, value, nk, nq, nc, conv_w, window, cfg:

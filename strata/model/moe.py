@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -10,7 +9,6 @@ import torch
 from strata.config import ModelConfig
 from strata.model import topk
 from strata.weights.schema import Weights
-from strata.weights.tensor import StoredTensor
 
 if TYPE_CHECKING:  # ops.py imports the references below
     from strata.model.ops import Ops
@@ -26,31 +24,20 @@ def route_ref(logits: torch.Tensor, k: int, norm_topk_prob: bool) -> tuple[torch
     return top_i, top_w.to(logits.dtype)
 
 
-def router_ref(a: torch.Tensor, router: StoredTensor, gate_inp: StoredTensor, k: int, norm_topk_prob: bool,
-               linears: Callable, linear: Callable, route: Callable,
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The routing of a MoE layer, a (L, H) -> (expert ids (L, k) int64, weights (L, k), shared-expert gate logit
-    (L, 1)), both in a's dtype: the router and the shared expert's gate read the same input, so they go through
-    one `linears` call (logits rounded to a's dtype), then `route`. One op so that a backend can run the
-    projection and the selection as one launch (`strata.kernels.moe.router`)."""
-    logits, gate_logit = linears(a, [router, gate_inp], [None, None], linear)
-    top_i, top_w = route(logits, k, norm_topk_prob)
-    return top_i, top_w, gate_logit
-
-
 def moe_combine_ref(routed: torch.Tensor, gate_logit: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
     """routed (L, H) + sigmoid(gate_logit (L, 1)) * shared (L, H), in the model dtype."""
     return routed + torch.sigmoid(gate_logit) * shared
 
 
 def moe_layer(a: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, ops: Ops) -> torch.Tensor:
-    """Routed experts + sigmoid-gated shared expert, (L, H) -> (L, H). The routing and the shared expert's gate
-    logit come from one `router` call; the routed and the shared experts are independent `branches`."""
+    """Routed experts + sigmoid-gated shared expert, (L, H) -> (L, H). The router and the shared expert's gate
+    read the same input, so they go through one `linears` call; the routed and the shared experts are
+    independent `branches`."""
     p = f"L{layer}.moe."
 
     def routed() -> tuple[torch.Tensor, torch.Tensor]:
-        top_i, top_w, gate_logit = ops.router(a, w[p + "router"], w[p + "sh_gate_inp"], cfg.num_experts_per_tok,
-                                              cfg.norm_topk_prob, ops.linears, ops.linear, ops.route)
+        logits, gate_logit = ops.linears(a, [w[p + "router"], w[p + "sh_gate_inp"]], [None, None], ops.linear)
+        top_i, top_w = ops.route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
         y = ops.experts(a, top_i, top_w, w[p + "gate_exps"], w[p + "up_exps"], w[p + "down_exps"], ops.linear)
         return y, gate_logit
 

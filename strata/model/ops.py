@@ -17,7 +17,7 @@ from strata.model.attention import attend_ref
 from strata.model.experts import experts_ref
 from strata.model.gdn import gdn_core_ref
 from strata.model.hyper import hc_read_ref, hc_write_read_ref, hc_write_ref
-from strata.model.moe import moe_combine_ref, route_ref, router_ref
+from strata.model.moe import moe_combine_ref, route_ref
 from strata.model.ple import decode_rows_ref, ple_mix_ref
 from strata.model.qsa import Rope, norm_rope_ref, qsa_store_ref, select_tokens
 from strata.weights.tensor import StoredTensor
@@ -71,9 +71,6 @@ class Ops:
     norm_rope: Callable = norm_rope_ref  # (x (L, heads, d), scale (d,) fp32, cos, sin (L, r), eps) -> (L, heads, d)
     rope: Callable = Rope.at  # (positions (L,), cfg, dtype) -> Rope: the call's RoPE tables
     route: Callable = route_ref  # (logits (L, E), k, norm_topk_prob) -> (top_i (L, k) int64, top_w (L, k))
-    # linears over [router, gate_inp], then route: (a, router, gate_inp, k, norm_topk_prob, linears, linear, route)
-    # -> (top_i (L, k) int64, top_w (L, k), gate_logit (L, 1))
-    router: Callable = router_ref
     moe_combine: Callable = moe_combine_ref  # (routed, gate_logit (L, 1), shared) -> (L, H)
     hc_write: Callable = hc_write_ref  # (x (L, S*H), inject (L, S), y (L, H)) -> (L, S*H)
     ple_mix: Callable = ple_mix_ref  # (x, key, value, 3 norm scales, conv_w, window, cfg) -> (L, S*H)
