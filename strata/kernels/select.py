@@ -105,7 +105,8 @@ def _radix_pass(row, NB, need, pre, hmask, offs, bins, SHIFT: tl.constexpr,
 @triton.jit
 def _select_kernel(s_ptr, pos_ptr, idx_ptr, ok_ptr, NB, K, s_sl, s_il, s_ol,
                    C: tl.constexpr, CP: tl.constexpr, TP: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr,
-                   NBINS: tl.constexpr, DIGIT: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr, GDC: tl.constexpr = False):
+                   NBINS: tl.constexpr, DIGIT: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr,
+                   ONE: tl.constexpr = False, GDC: tl.constexpr = False):
     pdl.started(GDC)
     pdl.wait(GDC)
     l = tl.program_id(0)
@@ -122,11 +123,21 @@ def _select_kernel(s_ptr, pos_ptr, idx_ptr, ok_ptr, NB, K, s_sl, s_il, s_ol,
     pre = zero
     hmask = zero
     going = need > 0
+    if ONE:  # the row is one chunk: its keys are loaded once and stay in registers for every pass
+        inrow = offs < NB
+        keys = _ukey(tl.load(row + offs, mask=inrow, other=0.0))
     # DIGIT-bit digits from the top; constexpr shifts let the compiler drop the histogram's bin checks
     for p in tl.static_range(32 // DIGIT):
         if going:
-            need, pre, hmask, going = _radix_pass(row, NB, need, pre, hmask, offs, bins, 32 - DIGIT * (p + 1),
-                                                  BLOCK, NBINS, EVEN)
+            if ONE:
+                SH: tl.constexpr = 32 - DIGIT * (p + 1)
+                DM: tl.constexpr = NBINS - 1
+                hit = (((keys >> SH) & DM)[:, None] == bins[None, :]) & (inrow & ((keys & hmask) == pre))[:, None]
+                need, pre, hmask, going = _narrow(tl.sum(hit.to(tl.int32), axis=0), bins, need, pre, hmask, SH,
+                                                  NBINS)
+            else:
+                need, pre, hmask, going = _radix_pass(row, NB, need, pre, hmask, offs, bins, 32 - DIGIT * (p + 1),
+                                                      BLOCK, NBINS, EVEN)
 
     # --- ties: if keys equal to the K-th largest outnumber the picks left, the lowest block indices win:
     # `icut` is one past the need-th such key in block order (rare: all 32 key bits are spent by then)
@@ -228,7 +239,8 @@ def select_blocks(scores: torch.Tensor, positions: torch.Tensor, k: int, c: int,
                          C=c, CP=triton.next_power_of_2(c), TP=triton.next_power_of_2(c - 1) if c > 1 else 0,
                          BLOCK=block, BK=min(1024, max(16, triton.next_power_of_2(k))), NBINS=BINS,
                          DIGIT=DIGIT_BITS, G=8,
-                         EVEN=nb % block == 0, num_warps=num_warps, **pdl.launch(scores.device))
+                         EVEN=nb % block == 0, ONE=nb <= block, num_warps=num_warps,
+                         **pdl.launch(scores.device))
     return idx, ok
 
 
