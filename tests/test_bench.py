@@ -71,3 +71,29 @@ def test_format_table():
                           "stages_ms": {"experts": {"gdn": 0.5, "qsa": 0.2}}, "stages_sum_ms": 0.7}]}
     text = bench.format_table(report)
     assert "75.0%" in text and "experts" in text
+
+
+def test_layer_paths_reads_the_critical_path_off_a_timeline():
+    # two GDN layers (the second's qkvz GEMV ends 10 us later) around a QSA layer; the shared expert's GEMV ends
+    # before the out projection that started before it; a last layer without its combine is left out
+    def gdn(t0, qkvz):
+        return [["_hc_down_kernel", t0, t0 + 7], ["_hc_up_kernel", t0 + 1, t0 + 10], ["_rr_kernel", t0 + 6, t0 + qkvz],
+                ["_gdn_step_kernel", t0 + qkvz - 1, t0 + qkvz + 8], ["_rr_kernel", t0 + qkvz + 1, t0 + qkvz + 20],
+                ["_gemv_kernel", t0 + qkvz + 2, t0 + qkvz + 12], ["_combine_kernel", t0 + qkvz + 20, t0 + qkvz + 22]]
+    qsa = [["_hc_down_kernel", 100, 107], ["_select_kernel", 105, 130], ["_combine_kernel", 130, 131]]
+    paths = bench.layer_paths(gdn(0, 25) + qsa + gdn(200, 35) + [["_hc_down_kernel", 300, 307]])
+    assert set(paths) == {"gdn", "qsa"}
+    g = paths["gdn"]
+    assert (g["layers"], g["alike"], g["span_us"]) == (2, 2, 52.0)  # spans 47 and 57
+    assert g["steps"] == [["_hc_down_kernel", 7.0, 7.0], ["_hc_up_kernel", 10.0, 3.0], ["_rr_kernel", 30.0, 20.0],
+                          ["_gdn_step_kernel", 38.0, 8.0], ["_gemv_kernel", 42.0, 4.0], ["_rr_kernel", 50.0, 8.0],
+                          ["_combine_kernel", 52.0, 2.0]]
+    assert sum(share for _, _, share in g["steps"]) == g["span_us"]
+    assert paths["qsa"]["steps"] == [["_hc_down_kernel", 7.0, 7.0], ["_select_kernel", 30.0, 23.0],
+                                     ["_combine_kernel", 31.0, 1.0]]
+    report = {"gpu": "X", "copy_bandwidth_bytes_per_s": 4e12, "model": "m", "ops": "triton", "type_mix": "t",
+              "decode": [{"context": 4096, "ms_per_token": 2.0, "tok_per_s": 500.0, "wall_ms_per_token": 2.1,
+                          "bytes_per_token": {"total": 6e9}, "floor_ms": 1.5, "fraction_of_floor": 0.75,
+                          "replay_kernels": {"layers": paths}}]}
+    text = bench.format_table(report)
+    assert "gdn layer (2 of 2 alike): 52.0 us" in text and "_select_kernel" in text

@@ -26,7 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="also list the kernels one eager decode step launches (count, device time, largest)")
     p.add_argument("--timeline", action="store_true",
                    help="with --profile: also record every kernel of one graph replay in order (name, start and "
-                        "end in microseconds from the replay's start) in the report")
+                        "end in microseconds from the replay's start) in the report, and print the critical path "
+                        "of a GDN and a QSA layer read off it (per launch: when it ends, its share of the path)")
     p.add_argument("--commit", default=None,
                    help="commit id to record in the report (default: git rev-parse HEAD; for copies without .git)")
     p.add_argument("--reference-ops", action="store_true", help="use the reference ops, not the Triton kernels")

@@ -285,6 +285,45 @@ def replay_profile(step: DecodeStep, top: int = 40, timeline: bool = False) -> d
     if timeline:
         out["timeline"] = [[name[:60], round(s - start, 2), round(end - start, 2)]
                            for end, s, name in sorted(spans, key=lambda t: t[1])]
+        out["layers"] = layer_paths(out["timeline"])
+    return out
+
+
+LAYER_END_KERNEL = "_combine_kernel"
+"""The last launch of every decoder layer (the MoE combine): where `layer_paths` cuts a replay's timeline."""
+
+
+def layer_paths(timeline: list[list]) -> dict:
+    """The critical path of a decoder layer, read off a replay's timeline ([name, start us, end us] in start
+    order): the timeline cut after each `LAYER_END_KERNEL`, each layer classed by the kernels in it ("gdn" with
+    `_gdn_step_kernel`, "qsa" with `_select_kernel`, else "other"), and for each class whose layers launch the
+    same kernels in the same order, per launch (in end order) the medians over those layers of when it ends
+    after the layer's first start and how much it moves the layer's latest end so far (its share of the
+    critical path). Launches that overlap others get the share by which they outlast them."""
+    layers, cur = [], []
+    for name, s, e in timeline:
+        cur.append((name, float(s), float(e)))
+        if name.startswith(LAYER_END_KERNEL):
+            layers.append(cur)
+            cur = []
+    kinds: dict[str, list[list[tuple[str, float, float]]]] = defaultdict(list)
+    for layer in layers:
+        names = {n for n, _, _ in layer}
+        kind = "gdn" if "_gdn_step_kernel" in names else "qsa" if "_select_kernel" in names else "other"
+        t0, frontier, steps = min(s for _, s, _ in layer), min(s for _, s, _ in layer), []
+        for n, _, e in sorted(layer, key=lambda k: k[2]):
+            steps.append((n, e - t0, max(0.0, e - frontier)))
+            frontier = max(frontier, e)
+        kinds[kind].append(steps)
+    out = {}
+    for kind, ls in kinds.items():
+        shape = [n for n, _, _ in ls[len(ls) // 2]]
+        same = [steps for steps in ls if [n for n, _, _ in steps] == shape]
+        med = statistics.median
+        out[kind] = {"layers": len(ls), "alike": len(same),
+                     "span_us": round(med([steps[-1][1] for steps in ls]), 2),
+                     "steps": [[n, round(med([st[i][1] for st in same]), 2), round(med([st[i][2] for st in same]), 2)]
+                               for i, n in enumerate(shape)]}
     return out
 
 
@@ -330,6 +369,10 @@ def format_table(report: dict) -> str:
         lines.append(f"one replay: {k['launches']} kernels over {k['span_ms']:.3f} ms; marginal time (how far each "
                      "moves the replay's end):")
         lines.extend(f"  {t['marginal_ms']:>8.3f} ms {t['count']:>5}x {t['kernel']}" for t in k["top"])
+    for kind, lp in first.get("replay_kernels", {}).get("layers", {}).items():
+        lines.append(f"{kind} layer ({lp['alike']} of {lp['layers']} alike): {lp['span_us']:.1f} us; per launch, "
+                     "us after the layer's start when it ends and its share of the critical path:")
+        lines.extend(f"  {n[:40]:<40} {end:>8.1f} {share:>8.1f}" for n, end, share in lp["steps"])
     if "stages_ms" in first:
         lines.append(f"per-stage ms (context {first['context']}; sum {first['stages_sum_ms']:.3f} ms of "
                      f"{first['ms_per_token']:.3f} ms):")
