@@ -1,16 +1,17 @@
 """One decode step over static buffers, captured as a CUDA graph and replayed per token.
 
 The step's state is allocated once at a fixed capacity (max context), and every per-token value the device
-needs — the token id, its position, the PLE rows gathered on the host — is copied into a static input buffer
-before the replay. Inside, nothing depends on data: no host synchronisation, no allocation, the same kernels
-every token. Outside CUDA (or with `capture=False`) the same step runs eagerly, which is how the CPU tests
-check it against the growing-state decode path.
+needs — the token id, its position, the PLE rows gathered on the host — is written into a page-locked buffer,
+which each captured graph copies into its static inputs as its first node (the eager step: one copy before it).
+Inside, nothing depends on data: no host synchronisation, no allocation, the same kernels every token. Outside
+CUDA (or with `capture=False`) the same step runs eagerly, which is how the CPU tests check it against the
+growing-state decode path.
 
-When the first PLE layer is not layer 0, the step is captured as two graphs split at that layer: the host copies
-the id and position, replays the front (embedding and the layers before it), and only then hashes the token's
-n-grams, gathers their table rows and copies them, and replays the rest. The device runs the front while the
-host stages the rows and launches the second graph, so neither the staging nor that launch is on the token's
-critical path.
+When the first PLE layer is not layer 0, the step is captured as two graphs split at that layer: the host writes
+the id and position, replays the front (embedding and the layers before it, after its copy of the id and
+position), and only then hashes the token's n-grams, gathers their table rows and replays the rest (which copies
+them first). The device runs the front while the host stages the rows and launches the second graph, so neither
+the staging nor that launch is on the token's critical path.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ class DecodeStep:
         self.split: int | None = first_ple if split and first_ple > 0 else None
         self.graphs: dict[str, tuple[torch.cuda.CUDAGraph, ...]] = {}
         self._carry: dict[str, Carry] = {}  # the front graph's outputs, which the rest reads
-        self._copied: torch.cuda.Event | None = None  # recorded after the last copy out of the host buffer
+        # recorded after the last copy or replay that reads the page-locked buffer
+        self._copied: torch.cuda.Event | None = None
         self.outs: dict[str, tuple[torch.Tensor, ...]] = {}
         self._sampler = None
 
@@ -140,9 +142,10 @@ class DecodeStep:
         if self._copied is not None:
             self._copied.synchronize()
 
-    def _copy(self, start: int = 0) -> None:
-        """The page-locked buffer from byte `start` on, copied to the static inputs asynchronously."""
-        self._packed[start:].copy_(self._host[start:], non_blocking=True)
+    def _copy(self) -> None:
+        """The page-locked buffer copied to the static inputs asynchronously (the eager step and the first,
+        capturing call; the graphs copy it themselves)."""
+        self._packed.copy_(self._host, non_blocking=True)
         if self.model.device.type == "cuda":
             self._copied = self._copied or torch.cuda.Event()
             self._copied.record()
@@ -163,26 +166,33 @@ class DecodeStep:
             self._capture(kind)
             self.replay(kind)
             return self.outs[kind]
+        # the graphs copy their inputs out of the page-locked buffer themselves (their first node), so a token's
+        # host work is its hash and rows, written in place, and the replay calls
         graphs = self.graphs[kind]
-        if len(graphs) == 1:
-            self._stage(token)
-            graphs[0].replay()
-            return self.outs[kind]
-        # split: id and position first, the front replayed, then the PLE rows (host work while the front runs)
         self._ready()
         self._host_ints[0] = token
-        self._host_ints[1] = self.state.length
-        self._packed[:16].copy_(self._host[:16], non_blocking=True)
-        graphs[0].replay()
-        self.model.stage_token(token, self.state, self._host_ple)
-        self._copy(16)
-        graphs[1].replay()
+        if len(graphs) == 1:
+            self._host_ints[1] = self.model.stage_token(token, self.state, self._host_ple)
+            graphs[0].replay()
+        else:  # split: the front replayed first; the PLE rows staged while it runs
+            self._host_ints[1] = self.state.length
+            graphs[0].replay()
+            self.model.stage_token(token, self.state, self._host_ple)
+            graphs[1].replay()
+        self._replayed()
         return self.outs[kind]
+
+    def _replayed(self) -> None:
+        """After a token's replays: an event the next token's `_ready` waits on before it rewrites the page-locked
+        buffer that their copy nodes read."""
+        self._copied = self._copied or torch.cuda.Event()
+        self._copied.record()
 
     def replay(self, kind: str = "logits") -> None:
         """Replay the captured step's graphs on the inputs already staged (benchmarks: no host work)."""
         for g in self.graphs[kind]:
             g.replay()
+        self._replayed()
 
     @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:
@@ -209,16 +219,22 @@ class DecodeStep:
                 self._compute(kind)
                 self._restore(snapshot, offset)
         torch.cuda.current_stream().wait_stream(side)
+        # Each graph starts with the copy of its inputs out of the page-locked buffer (a memcpy node: the bytes are
+        # read when the replay reaches it), so no copy call is left on the host per token.
         if self.split is None:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=side):
+                self._packed.copy_(self._host, non_blocking=True)
                 self.outs[kind] = self._compute(kind)
             self.graphs[kind] = (graph,)
         else:  # each graph has its own memory pool, so the rest's buffers never alias the front's outputs
             front, rest = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             with torch.cuda.graph(front, stream=side):
+                self._packed[:16].copy_(self._host[:16], non_blocking=True)
                 self._carry[kind] = self._front()
             with torch.cuda.graph(rest, stream=side):
+                if self._packed.numel() > 16:
+                    self._packed[16:].copy_(self._host[16:], non_blocking=True)
                 self.outs[kind] = self._rest(self._carry[kind], kind)
             self.graphs[kind] = (front, rest)
         self._restore(snapshot, offset)
