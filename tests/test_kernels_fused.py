@@ -62,7 +62,6 @@ def test_gdn_step_matches_reference(order, gate):
         assert torch.allclose(ours.recurrent, ref.recurrent, atol=1e-5, rtol=0)
 
 
-
 class _NoLaunch:
     def __getitem__(self, grid):
         raise AssertionError("the one-launch path launched the second kernel")
