@@ -14,9 +14,9 @@ set -uo pipefail  # no -e: a failed check is reported and the next one still run
 commit=${1:?usage: tools/device_check.sh COMMIT [FIXTURES] [CONTEXTS]}
 fixtures=${2:-}
 contexts=${3:-4096,131072}
-out=${OUT:-device-out}
-mkdir -p "$out"
+out=$(realpath -m "${OUT:-device-out}")
 cd "$(dirname "$0")/.."
+mkdir -p "$out"
 quiet() { grep -v -e Warning -e warn_once -e "Writing model shards" || true; }
 
 echo "== PDL and graph equality (captured split, one graph, eager)"
