@@ -12,7 +12,7 @@
 # CONTEXTS  decode contexts of the bench (default 4096,131072)
 set -uo pipefail  # no -e: a failed check is reported and the next one still runs
 commit=${1:?usage: tools/device_check.sh COMMIT [FIXTURES] [CONTEXTS]}
-fixtures=${2:-}
+fixtures=${2:+$(realpath -m "$2")}
 contexts=${3:-4096,131072}
 out=$(realpath -m "${OUT:-device-out}")
 cd "$(dirname "$0")/.."
