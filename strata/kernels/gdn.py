@@ -180,7 +180,7 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
 
 @triton.jit
 def _gdn_out_kernel(o_ptr, z_ptr, nw_ptr, out_ptr, x_ptr, win_ptr, DV, C, CH_PER, eps,
-                    K: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr, SILU_GATE: tl.constexpr,
+                    K: tl.constexpr, KP: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr, SILU_GATE: tl.constexpr,
                     DT: tl.constexpr, GDC: tl.constexpr = False):
     """The two-launch path's second launch (a stream without ticket counters): the gated norm of head j and
     the shift of a 1/nv share of the conv window, once every program of the step kernel has finished."""
@@ -189,17 +189,13 @@ def _gdn_out_kernel(o_ptr, z_ptr, nw_ptr, out_ptr, x_ptr, win_ptr, DV, C, CH_PER
     j = tl.program_id(0)
     _gated_norm(o_ptr, z_ptr, nw_ptr, out_ptr, j, DV, DV, eps, BD, SILU_GATE, DT)
 
-    # shift this program's share of the conv window: new[:, t] = [old | x][:, t + 1]
+    # shift this program's share of the conv window (channels j * CH_PER .. up to C)
+    end = tl.minimum(j * CH_PER + CH_PER, C)
     for c0 in range(0, CH_PER, BC):
-        off = c0 + tl.arange(0, BC)
-        ch = j * CH_PER + off
-        cm = (off < CH_PER) & (ch < C)
-        # in tap order: tap t + 1 is read before this same thread overwrites it in the next iteration
-        for t in tl.static_range(K - 2):
-            nxt = tl.load(win_ptr + ch * (K - 1) + t + 1, mask=cm, other=0.0)
-            tl.store(win_ptr + ch * (K - 1) + t, nxt, mask=cm)
-        xv = tl.load(x_ptr + ch, mask=cm, other=0.0)
-        tl.store(win_ptr + ch * (K - 1) + K - 2, xv, mask=cm)
+        ch = j * CH_PER + c0 + tl.arange(0, BC)
+        nxt = _window_next(x_ptr, win_ptr, ch, end, K, KP)
+        tl.debug_barrier()  # every thread has read this chunk's old taps before any is overwritten
+        _window_store(win_ptr, ch, end, nxt, K, KP)
 
 
 def supported(x: torch.Tensor, state: GDNState, cfg: ModelConfig) -> bool:
@@ -244,6 +240,6 @@ def gdn_step(x: torch.Tensor, z: torch.Tensor, b: torch.Tensor, alpha: torch.Ten
         ch_per = triton.cdiv(C, nv)
         _gdn_out_kernel[(nv,)](
             o, z, nw, out, x, state.conv, dv, C, ch_per, cfg.rms_norm_eps,
-            K=K, BD=bd, BC=min(256, triton.next_power_of_2(ch_per)),
+            K=K, KP=triton.next_power_of_2(K), BD=bd, BC=min(256, triton.next_power_of_2(ch_per)),
             SILU_GATE=silu_gate, DT=TL_DTYPES[dt], **pdl.launch(x.device))
     return out

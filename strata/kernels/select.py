@@ -56,11 +56,20 @@ def _ukey(s):
 
 
 @triton.jit
+def _digit_counts(u, cand, bins, SHIFT: tl.constexpr, NBINS: tl.constexpr):
+    """Counts [NBINS] of the digit at SHIFT among the keys u where cand holds. By comparison, not tl.histogram:
+    its shared-memory atomics serialise when the keys share a digit (the top digits of positive scores of one
+    magnitude are all equal)."""
+    DMASK: tl.constexpr = NBINS - 1
+    hit = (((u >> SHIFT) & DMASK)[:, None] == bins[None, :]) & cand[:, None]
+    return tl.sum(hit.to(tl.int32), axis=0)
+
+
+@triton.jit
 def _count_digits(row, lo, hi, pre, hmask, offs, bins, SHIFT: tl.constexpr, BLOCK: tl.constexpr,
                   NBINS: tl.constexpr, EVEN: tl.constexpr):
     """Counts [NBINS] of the digit at SHIFT among the keys of row[lo:hi] whose bits under `hmask` equal `pre`
     (EVEN: hi - lo is a multiple of BLOCK, no bounds mask)."""
-    DMASK: tl.constexpr = NBINS - 1
     hist = tl.zeros([NBINS], tl.int32)
     for c0 in range(lo, hi, BLOCK):
         o = c0 + offs
@@ -71,10 +80,7 @@ def _count_digits(row, lo, hi, pre, hmask, offs, bins, SHIFT: tl.constexpr, BLOC
             m = o < hi
             u = _ukey(tl.load(row + o, mask=m, other=0.0))
             cand = m & ((u & hmask) == pre)
-        # counted by comparison, not tl.histogram: its shared-memory atomics serialise when the keys share a
-        # digit (the top digits of positive scores of one magnitude are all equal)
-        hit = (((u >> SHIFT) & DMASK)[:, None] == bins[None, :]) & cand[:, None]
-        hist += tl.sum(hit.to(tl.int32), axis=0)
+        hist += _digit_counts(u, cand, bins, SHIFT, NBINS)
     return hist
 
 
@@ -131,10 +137,8 @@ def _select_kernel(s_ptr, pos_ptr, idx_ptr, ok_ptr, NB, K, s_sl, s_il, s_ol,
         if going:
             if ONE:
                 SH: tl.constexpr = 32 - DIGIT * (p + 1)
-                DM: tl.constexpr = NBINS - 1
-                hit = (((keys >> SH) & DM)[:, None] == bins[None, :]) & (inrow & ((keys & hmask) == pre))[:, None]
-                need, pre, hmask, going = _narrow(tl.sum(hit.to(tl.int32), axis=0), bins, need, pre, hmask, SH,
-                                                  NBINS)
+                hist = _digit_counts(keys, inrow & ((keys & hmask) == pre), bins, SH, NBINS)
+                need, pre, hmask, going = _narrow(hist, bins, need, pre, hmask, SH, NBINS)
             else:
                 need, pre, hmask, going = _radix_pass(row, NB, need, pre, hmask, offs, bins, 32 - DIGIT * (p + 1),
                                                       BLOCK, NBINS, EVEN)

@@ -310,7 +310,8 @@ def layer_paths(timeline: list[list]) -> dict:
     for layer in layers:
         names = {n for n, _, _ in layer}
         kind = "gdn" if "_gdn_step_kernel" in names else "qsa" if "_select_kernel" in names else "other"
-        t0, frontier, steps = min(s for _, s, _ in layer), min(s for _, s, _ in layer), []
+        t0 = frontier = min(s for _, s, _ in layer)
+        steps = []
         for n, _, e in sorted(layer, key=lambda k: k[2]):
             steps.append((n, e - t0, max(0.0, e - frontier)))
             frontier = max(frontier, e)

@@ -147,8 +147,7 @@ class DecodeStep:
         capturing call; the graphs copy it themselves)."""
         self._packed.copy_(self._host, non_blocking=True)
         if self.model.device.type == "cuda":
-            self._copied = self._copied or torch.cuda.Event()
-            self._copied.record()
+            self._host_read()
 
     def _stage(self, token: int) -> None:
         """Host work for the token into the page-locked buffer, copied to the static inputs asynchronously (one
@@ -179,12 +178,12 @@ class DecodeStep:
             graphs[0].replay()
             self.model.stage_token(token, self.state, self._host_ple)
             graphs[1].replay()
-        self._replayed()
+        self._host_read()
         return self.outs[kind]
 
-    def _replayed(self) -> None:
-        """After a token's replays: an event the next token's `_ready` waits on before it rewrites the page-locked
-        buffer that their copy nodes read."""
+    def _host_read(self) -> None:
+        """After the copy or the replays that read the page-locked buffer: the event the next token's `_ready`
+        waits on before it rewrites the buffer."""
         self._copied = self._copied or torch.cuda.Event()
         self._copied.record()
 
@@ -192,7 +191,7 @@ class DecodeStep:
         """Replay the captured step's graphs on the inputs already staged (benchmarks: no host work)."""
         for g in self.graphs[kind]:
             g.replay()
-        self._replayed()
+        self._host_read()
 
     @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:
