@@ -199,16 +199,18 @@ def test_block_scores_and_selection_match_reference():
 
 
 def test_selection_beyond_the_kernel_limit(monkeypatch):
-    """Past SELECT_KERNEL_MAX_BLOCKS candidates: the many-program selection (`select_blocks_wide`) chooses the
-    reference's visible blocks (listed in block order) with the same validity and tail, also for a query that
-    sees fewer complete blocks than k (its invalid picks are the lowest-indexed hidden blocks, torch.topk's
-    its own: `attend` masks both); past what that serves, torch.topk and `expand_blocks` equal the reference."""
+    """Past SELECT_KERNEL_MAX_BLOCKS (and RANK_SELECT_MAX_BLOCKS) candidates: the many-program selection
+    (`select_blocks_wide`) chooses the reference's visible blocks (listed in block order) with the same validity and
+    tail, also for a query that sees fewer complete blocks than k (its invalid picks are the lowest-indexed hidden
+    blocks, torch.topk's its own: `attend` masks both); past what that serves, torch.topk and `expand_blocks` equal
+    the reference."""
     cfg = config()
     g = torch.Generator().manual_seed(6)
     q = torch.randn(3, cfg.indexer_n_heads, cfg.indexer_head_dim, generator=g)
     blocks = torch.randn(16, cfg.indexer_head_dim, generator=g)
     positions = torch.tensor([5, 30, 63])
     monkeypatch.setattr(attention, "SELECT_KERNEL_MAX_BLOCKS", 8)
+    monkeypatch.setattr(attention, "RANK_SELECT_MAX_BLOCKS", 8)
     c, n = cfg.indexer_compress_ratio, cfg.block_topk * cfg.indexer_compress_ratio
     (idx, ok), (ridx, rok) = attention.select_tokens(q, blocks, positions, cfg), select_tokens(q, blocks, positions,
                                                                                                cfg)
@@ -224,6 +226,7 @@ def test_selection_beyond_the_kernel_limit(monkeypatch):
         assert torch.equal(a, b)
     monkeypatch.undo()
     monkeypatch.setattr(attention, "SELECT_KERNEL_MAX_BLOCKS", 8)
+    monkeypatch.setattr(attention, "RANK_SELECT_MAX_BLOCKS", 8)
     monkeypatch.setattr(attention, "wide_supported", lambda scores: False)
     for a, b in zip(attention.select_tokens(q, blocks, positions, cfg), select_tokens(q, blocks, positions, cfg),
                     strict=True):

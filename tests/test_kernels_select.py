@@ -225,3 +225,42 @@ def test_wide_select_ties_span_programs(chunk):
         got = select_blocks_wide(s, positions, k, 4, chunk=chunk)
         want = select_blocks(s, positions, k, 4)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), k
+
+
+RANKED_CASES = [(300, 64, 4, 3, 16), (1000, 16, 2, 1, 32), (64, 64, 4, 2, 16), (77, 1, 1, 2, 16), (500, 0, 4, 2, 32),
+                (1, 1, 4, 1, 16), (40, 40, 1, 2, 16)]
+
+
+@pytest.mark.parametrize("nb,k,c,L,rows", RANKED_CASES)
+def test_ranked_select_equals_the_one_program_kernel(nb, k, c, L, rows):
+    """`select_blocks_ranked` (every block's rank counted over the whole row, one program per `rows` blocks, the
+    last one compacting) writes exactly what `select_blocks` writes, on rows with -inf fill, k == nb, k == 0 and
+    one block; its tickets are back at zero afterwards."""
+    from strata.kernels import gemv
+    from strata.kernels.select import select_blocks_ranked
+
+    visible = [nb, nb // 3, max(0, k - 1)][:L]
+    s = draw(L, nb, max(1, k), seed=nb + k + c + 1, visible=visible) if k < nb else draw(L, nb, nb, seed=c)
+    positions = torch.randint(0, nb * c, (L,), generator=torch.Generator().manual_seed(nb + 1))
+    got = select_blocks_ranked(s, positions, k, c, rows=rows)
+    want = select_blocks(s, positions, k, c)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert int(gemv.tickets(s.device).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("rows,chunk", [(16, 16), (32, 64)])
+def test_ranked_select_ties_span_programs(rows, chunk):
+    """Equal scores at the k-th place in several programs and comparison chunks: the lowest block indices win,
+    as in the one-program kernel (including -0.0 against +0.0, and keys all equal)."""
+    from strata.kernels.select import select_blocks_ranked
+
+    g = torch.Generator().manual_seed(rows + chunk)
+    s = torch.randint(0, 4, (3, 100), generator=g).float()  # heavy ties at every level
+    s[1] = torch.where(torch.rand(100, generator=g) < 0.5, 0.0, -0.0)
+    s[2] = 1.5
+    s[0, 90:] = 3.0
+    positions = torch.tensor([399, 250, 3])
+    for k in (1, 7, 33, 99, 100):
+        got = select_blocks_ranked(s, positions, k, 4, rows=rows, chunk=chunk)
+        want = select_blocks(s, positions, k, 4)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), k

@@ -16,8 +16,9 @@ Indexer scores (`block_scores`). At 128K context there are 32K pooled block keys
 reference scores every block of the capacity-sized buffer and masks afterwards; the kernel masks the *loads*
 by the query's visible block count (read from device memory), so it reads only the blocks that exist yet and
 costs O(context), not O(capacity). The top-k and the token expansion are one more launch for up to
-SELECT_KERNEL_MAX_BLOCKS candidates (`strata.kernels.select`: a radix select, ties at the k-th score to the lowest
-block index, blocks listed in block order), torch.topk and the reference's expansion beyond, so the selected set
+SELECT_KERNEL_MAX_BLOCKS candidates (`strata.kernels.select`: for a few queries the blocks' ranks counted by many
+programs, else a one-program radix select; ties at the k-th score to the lowest block index, blocks listed in
+block order), the many-program radix select or torch.topk and the reference's expansion beyond, so the selected set
 agrees with `select_tokens` whenever the k-th block's margin exceeds fp32 accumulation-order rounding.
 """
 
@@ -29,7 +30,8 @@ import triton.language as tl
 
 from strata.config import ModelConfig
 from strata.kernels import pdl
-from strata.kernels.select import expand_blocks, select_blocks, select_blocks_wide, wide_supported
+from strata.kernels.select import (expand_blocks, select_blocks, select_blocks_ranked, select_blocks_wide,
+                                  wide_supported)
 from strata.model import topk
 from strata.runtime.state import QSAState
 
@@ -245,21 +247,32 @@ SELECT_KERNEL_MAX_BLOCKS = 2048
 candidates: on an H200, ~16 us per QSA layer at 1,042 blocks (a 4K decode state) but 197 us at 32,768 (128K),
 where torch.topk plus the expansion below costs ~85 us; longer rows go to `select_blocks_wide`."""
 
+RANK_SELECT_MAX_BLOCKS = 2048
+RANK_SELECT_MAX_QUERIES = 8
+"""Rows (candidate blocks, queries) up to which the ranked selection (`select_blocks_ranked`: every block's
+rank counted against the whole row by many programs; O(nb^2) comparisons) replaces the one-program kernel: decode
+and short verify batches at a few thousand positions, where the one program's dependent passes are the cost."""
+
 
 def select_tokens(q_idx: torch.Tensor, blocks: torch.Tensor, positions: torch.Tensor, cfg: ModelConfig,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """`strata.model.qsa.select_tokens` with the block scores above, then the top-k blocks expanded to token
-    indices, the tail and validity: by `strata.kernels.select` (one launch) up to SELECT_KERNEL_MAX_BLOCKS
-    candidates, by its many-program form beyond (`select_blocks_wide`, ten launches), and by torch.topk and
-    `expand_blocks` (one launch) for more queries than that serves. Token indices (L, W) and their validity (L,
-    W), W <= B + c - 1. Same chosen set as the reference whenever the k-th and (k+1)-th block scores differ
-    (the kernel breaks ties by lowest block index and lists the chosen blocks in block order, which `attend`, a
-    softmax over the set, only sees as fp summation order)."""
+    indices, the tail and validity: by `strata.kernels.select` (one launch: ranks counted by many programs for up to
+    RANK_SELECT_MAX_QUERIES queries and RANK_SELECT_MAX_BLOCKS candidates, else one program) up to
+    SELECT_KERNEL_MAX_BLOCKS candidates, by its many-program form beyond (`select_blocks_wide`, ten launches), and
+    by torch.topk and `expand_blocks` (one launch) for more queries than that serves. Token indices (L, W) and their
+    validity (L, W), W <= B + c - 1. Same chosen set as the reference whenever the k-th and (k+1)-th block scores
+    differ (the kernel breaks ties by lowest block index and lists the chosen blocks in block order, which `attend`,
+    a softmax over the set, only sees as fp summation order)."""
     c, kb = cfg.indexer_compress_ratio, cfg.block_topk
     nb = blocks.shape[0]
     k = min(kb, nb)
     scores = block_scores(q_idx, blocks, positions, cfg) if k > 0 else q_idx.new_empty(q_idx.shape[0], 0,
                                                                                           dtype=torch.float32)
+    if nb <= RANK_SELECT_MAX_BLOCKS and scores.shape[0] <= RANK_SELECT_MAX_QUERIES:
+        chosen = select_blocks_ranked(scores, positions, k, c)
+        if chosen is not None:
+            return chosen
     if nb <= SELECT_KERNEL_MAX_BLOCKS:
         return select_blocks(scores, positions, k, c)
     if wide_supported(scores):

@@ -293,10 +293,14 @@ LAYER_END_KERNEL = "_combine_kernel"
 """The last launch of every decoder layer (the MoE combine): where `layer_paths` cuts a replay's timeline."""
 
 
+QSA_KERNELS = {"_block_scores_kernel", "_select_kernel", "_rank_select_kernel", "_wide_pass_kernel"}
+"""Kernels only a QSA layer launches (the indexer's block scores and each of the selection's paths)."""
+
+
 def layer_paths(timeline: list[list]) -> dict:
     """The critical path of a decoder layer, read off a replay's timeline ([name, start us, end us] in start
     order): the timeline cut after each `LAYER_END_KERNEL`, each layer classed by the kernels in it ("gdn" with
-    `_gdn_step_kernel`, "qsa" with `_select_kernel`, else "other"), and for each class whose layers launch the
+    `_gdn_step_kernel`, "qsa" with one of `QSA_KERNELS`, else "other"), and for each class whose layers launch the
     same kernels in the same order, per launch (in end order) the medians over those layers of when it ends
     after the layer's first start and how much it moves the layer's latest end so far (its share of the
     critical path). Launches that overlap others get the share by which they outlast them."""
@@ -309,7 +313,7 @@ def layer_paths(timeline: list[list]) -> dict:
     kinds: dict[str, list[list[tuple[str, float, float]]]] = defaultdict(list)
     for layer in layers:
         names = {n for n, _, _ in layer}
-        kind = "gdn" if "_gdn_step_kernel" in names else "qsa" if "_select_kernel" in names else "other"
+        kind = "gdn" if "_gdn_step_kernel" in names else "qsa" if names & QSA_KERNELS else "other"
         t0 = frontier = min(s for _, s, _ in layer)
         steps = []
         for n, _, e in sorted(layer, key=lambda k: k[2]):
