@@ -192,20 +192,6 @@ def _store_firsts(out_i, o, sel, base, C: tl.constexpr):
 
 
 @triton.jit
-def _store_chosen(out_i, out_o, o, sel, sc, base, C: tl.constexpr):
-    """`_store_firsts` with the expansion in the same pass: each chosen block's c tokens and their validity (its
-    score sc finite) at its slot; returns base + the chunk's count."""
-    e = sel.to(tl.int32)
-    gs = tl.sum(e, axis=1)
-    slot = base + (tl.cumsum(gs, axis=0) - gs)[:, None] + (tl.cumsum(e, axis=1) - e)
-    fin = (tl.abs(sc) < float("inf")).to(tl.int8)  # NaN: False
-    for j in tl.static_range(C):
-        tl.store(out_i + slot * C + j, o.to(tl.int64) * C + j, mask=sel)
-        tl.store(out_o + slot * C + j, fin, mask=sel)
-    return base + tl.sum(gs, axis=0)
-
-
-@triton.jit
 def _expand(row, out_i, out_o, K, C: tl.constexpr, CP: tl.constexpr, BK: tl.constexpr):
     """Each of the K chosen blocks' c tokens from its first (stored by `_store_firsts`, before a barrier); valid
     where the block's score is finite (the block is visible)."""
@@ -336,13 +322,13 @@ RANK_WARPS = 8
 @triton.jit
 def _rank_select_kernel(s_ptr, pos_ptr, idx_ptr, ok_ptr, sel_ptr, cnt_ptr, NB, K, s_sl, s_il, s_ol,
                         BS: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr, C: tl.constexpr,
-                        TP: tl.constexpr, G: tl.constexpr, GDC: tl.constexpr = False):
+                        CP: tl.constexpr, TP: tl.constexpr, BK: tl.constexpr, G: tl.constexpr,
+                        GDC: tl.constexpr = False):
     """Program (p, l): for the BS blocks i of row l from p * BS, the number of blocks that rank above i (a higher
     key, or the same key at a lower index), compared against the whole row RB blocks at a time; i is chosen when
     fewer than K do. That is the radix select's set: the K largest keys, ties to the lowest block index. The
-    flags go to sel[l]; the last program of the row (a ticket) compacts them in block order and writes the
-    chosen blocks' tokens and validity in the same pass (`_store_chosen`), then the tail: `_select_kernel`'s
-    outputs, bit for bit.
+    flags go to sel[l]; the last program of the row (a ticket) compacts them in block order and expands the
+    chosen blocks as `_select_kernel` does (`_store_firsts`, `_expand`, `_tail`): the same outputs, bit for bit.
     The ticket is drawn after `pdl.wait` and put back by the last program (`gemv.tickets`)."""
     pdl.started(GDC)
     pdl.wait(GDC)
@@ -372,8 +358,9 @@ def _rank_select_kernel(s_ptr, pos_ptr, idx_ptr, ok_ptr, sel_ptr, cnt_ptr, NB, K
             o = c0 + grp
             m = o < NB
             sel = tl.load(flags + o, mask=m, other=0, cache_modifier=".cg") != 0
-            sc = tl.load(row + o, mask=m, other=0.0)
-            base = _store_chosen(out_i, out_o, o, sel, sc, base, C)
+            base = _store_firsts(out_i, o, sel, base, C)
+        tl.debug_barrier()  # the slots written above by any thread are read below by others
+        _expand(row, out_i, out_o, K, C, CP, BK)
         _tail(out_i, out_o, pos_ptr, l, K, C, TP)
         tl.atomic_xchg(cnt_ptr + l, 0, sem="relaxed", scope="gpu")  # back to 0 for the next launch
 
@@ -405,8 +392,8 @@ def select_blocks_ranked(scores: torch.Tensor, positions: torch.Tensor, k: int, 
     _rank_select_kernel[(max(1, triton.cdiv(nb, rows)), L)](
         scores, positions, idx, ok.view(torch.int8), flags, cnt, nb, k, scores.stride(0), idx.stride(0),
         ok.stride(0), BS=rows, RB=max(16, triton.next_power_of_2(min(chunk, max(1, nb)))),
-        CB=max(16, triton.next_power_of_2(min(2048, max(1, nb)))), C=c,
-        TP=triton.next_power_of_2(c - 1) if c > 1 else 0, G=8,
+        CB=max(16, triton.next_power_of_2(min(2048, max(1, nb)))), C=c, CP=triton.next_power_of_2(c),
+        TP=triton.next_power_of_2(c - 1) if c > 1 else 0, BK=min(1024, max(16, triton.next_power_of_2(k))), G=8,
         num_warps=num_warps, **pdl.launch(dev))
     return idx, ok
 
@@ -532,7 +519,14 @@ def _wide_compact_kernel(s_ptr, pos_ptr, st_ptr, n_ptr, idx_ptr, ok_ptr, NB, K, 
         g_eq = tl.sum(e_eq, axis=1)
         rank = seen + (tl.cumsum(g_eq, axis=0) - g_eq)[:, None] + (tl.cumsum(e_eq, axis=1) - e_eq)
         sel = (m & (mk > thr)) | ((e_eq != 0) & (rank < quota))
-        base = _store_chosen(out_i, out_o, o, sel, sc, base, C)
+        e = sel.to(tl.int32)
+        gs = tl.sum(e, axis=1)
+        slot = base + (tl.cumsum(gs, axis=0) - gs)[:, None] + (tl.cumsum(e, axis=1) - e)
+        fin = (tl.abs(sc) < float("inf")).to(tl.int8)  # NaN: False
+        for j in tl.static_range(C):
+            tl.store(out_i + slot * C + j, o.to(tl.int64) * C + j, mask=sel)
+            tl.store(out_o + slot * C + j, fin, mask=sel)
+        base += tl.sum(gs, axis=0)
         seen += tl.sum(g_eq, axis=0)
     if p == 0:
         _tail(out_i, out_o, pos_ptr, l, K, C, TP)
