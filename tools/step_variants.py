@@ -1,0 +1,136 @@
+"""Decode-step variants, measured in the step itself (run on the device box).
+
+A launch timed alone (the labs) does not show what it costs the step: with PDL and two streams a kernel's own
+time overlaps others, and a faster kernel can leave the layer's critical path unchanged (every GEMV ends a fixed
+time after its own launch). Here one synthetic model at the real geometry is built once, and the 4K decode step
+is captured again for each variant with one knob or op swapped in the same process, so variants are compared back
+to back; each row has the replay time and the per-layer critical paths (`bench.layer_paths`). A probe that takes
+a launch out of the graph (its outputs frozen from the warm-up) bounds what a faster kernel there could gain.
+
+    python tools/step_variants.py --out variants.json base select:removed select:radix base
+
+Variants (list `base` more than once to see the run-to-run spread):
+  base                       the step as the engine runs it
+  select:removed             the QSA selection's launch left out of the graph (outputs from the warm-up)
+  select:radix               the one-program radix select instead of the ranked one
+  select:ranked:ROWS:CHUNK   the ranked selection with these knobs (`select.select_blocks_ranked`)
+  attend:SPLIT:BW            QSA attention with SPLIT keys per program in steps of BW (`attention.attend`)
+  hc:I                       the HC read's knobs set to `hyper.hc_read_configs(...)[I]` (but its `finish_in_down`)
+  shape:KIND:NCH:LO:HI:BR,SBC,WARPS,SPLIT
+                             row-register launches of KIND over NCH chunks with LO <= row tiles < HI in this
+                             launch shape (`gemv_rr.launch_shape`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from strata.kernels import attention, gemv_rr, hyper, pdl  # noqa: E402
+from strata.model.model import Model  # noqa: E402
+from strata.runtime import bench  # noqa: E402
+from strata.runtime.placement import fast_ops, gpu_layout  # noqa: E402
+from strata.runtime.synthetic import TypeMix, real_config, synthetic_weights  # noqa: E402
+
+BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attention.select_blocks_ranked,
+        "attend": attention.attend, "hc_read_defaults": hyper.hc_read_defaults,
+        "launch_shape": gemv_rr.launch_shape}
+
+
+def _frozen_select(scores, positions, k, c, *a, **kw):
+    """The selection's outputs of the warm-up, reused while the step is being captured (no launch)."""
+    key = (tuple(scores.shape), k, c)
+    if not torch.cuda.is_current_stream_capturing():
+        out = BASE["select_blocks_ranked"](scores, positions, k, c) or BASE["select_blocks"](scores, positions, k, c)
+        _frozen_select.cache[key] = (out[0].clone(), out[1].clone())
+    return _frozen_select.cache[key]
+
+
+_frozen_select.cache = {}
+
+
+def _shape_override(kind: str, n_chunks: int, lo: int, hi: int, shape: tuple[int, ...]):
+    def launch_shape(k: str, nch: int, tiles: int = 1 << 30) -> tuple[int, int, int, int]:
+        if k == kind and nch == n_chunks and lo <= tiles < hi:
+            return shape
+        return BASE["launch_shape"](k, nch, tiles)
+    return launch_shape
+
+
+def apply(variant: str) -> None:
+    """Reset every patch, then apply `variant`'s (see the module docstring)."""
+    attention.select_blocks = BASE["select_blocks"]
+    attention.select_blocks_ranked = BASE["select_blocks_ranked"]
+    attention.attend = BASE["attend"]
+    hyper.hc_read_defaults = BASE["hc_read_defaults"]
+    gemv_rr.launch_shape = BASE["launch_shape"]
+    name, *args = variant.split(":")
+    if name == "base":
+        return
+    if name == "select" and args == ["removed"]:
+        attention.select_blocks_ranked = _frozen_select
+    elif name == "select" and args == ["radix"]:
+        attention.select_blocks_ranked = lambda *a, **kw: None
+    elif name == "select" and args[:1] == ["ranked"] and len(args) == 3:
+        attention.select_blocks_ranked = functools.partial(BASE["select_blocks_ranked"], rows=int(args[1]),
+                                                           chunk=int(args[2]))
+    elif name == "attend" and len(args) == 2:
+        attention.attend = functools.partial(BASE["attend"], split=int(args[0]), block_w=int(args[1]))
+    elif name == "hc" and len(args) == 1:
+        cfg = real_config()
+        knobs = dict(hyper.hc_read_configs(cfg.hc_count, cfg.hidden_size, cfg.hc_lowrank,
+                                           torch.cuda.get_device_properties(0).multi_processor_count)[int(args[0])])
+        knobs.pop("finish_in_down", None)
+        hyper.hc_read_defaults = lambda *a: dict(knobs)
+    elif name == "shape" and len(args) == 5:
+        shape = tuple(int(v) for v in args[4].split(","))
+        gemv_rr.launch_shape = _shape_override(args[0], int(args[1]), int(args[2]), int(args[3]), shape)
+    else:
+        raise SystemExit(f"unknown variant {variant!r} (see --help)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("variants", nargs="+")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--commit", default=None, help="commit id to record (default: git rev-parse HEAD)")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    pdl.set_enabled(True)
+    bw = bench.copy_bandwidth(dev)
+    w = gpu_layout(synthetic_weights(real_config(), TypeMix(), dev), inplace=True)
+    floor_ms = bench.token_bytes(w, args.context)["total"] / bw * 1e3
+    report = {"commit": args.commit or bench.git_commit(), "gpu": torch.cuda.get_device_name(dev),
+              "context": args.context, "floor_ms": floor_ms, "rows": []}
+    print(f"{'variant':<34}{'replay ms':>10}{'ms/token':>10}{'GDN us':>8}{'QSA us':>8}", flush=True)
+    for variant in args.variants:
+        apply(variant)
+        model = Model(w, torch.bfloat16, dev, fast_ops(streams=True))  # the op table binds some kernels
+        t0 = time.perf_counter()
+        r = bench.bench_decode(model, args.context, args.tokens, 3, stage_table=False, profile=True,
+                               timeline=True)
+        paths = r["replay_kernels"]["layers"]
+        row = {"variant": variant, "replay_ms": r["graph_replay_ms"], "ms_per_token": r["ms_per_token"],
+               "ms_per_token_runs": r["ms_per_token_runs"], "layer_paths": paths, "seconds": time.perf_counter() - t0}
+        report["rows"].append(row)
+        span = {k: paths.get(k, {}).get("span_us", float("nan")) for k in ("gdn", "qsa")}
+        print(f"{variant:<34}{row['replay_ms']:>10.3f}{row['ms_per_token']:>10.3f}{span['gdn']:>8.1f}"
+              f"{span['qsa']:>8.1f}", flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1))
+    apply("base")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
