@@ -17,8 +17,9 @@ reference scores every block of the capacity-sized buffer and masks afterwards; 
 by the query's visible block count (read from device memory), so it reads only the blocks that exist yet and
 costs O(context), not O(capacity). The top-k and the token expansion are one more launch for up to
 SELECT_KERNEL_MAX_BLOCKS candidates (`strata.kernels.select`: for a few queries the blocks' ranks counted by many
-programs, else a one-program radix select; ties at the k-th score to the lowest block index, blocks listed in
-block order), the many-program radix select or torch.topk and the reference's expansion beyond, so the selected set
+programs, blocks listed by rank; else a one-program radix select, blocks listed in block order; ties at the k-th
+score to the lowest block index), the many-program radix select or torch.topk and the reference's expansion
+beyond, so the selected set
 agrees with `select_tokens` whenever the k-th block's margin exceeds fp32 accumulation-order rounding.
 """
 
@@ -262,17 +263,15 @@ def select_tokens(q_idx: torch.Tensor, blocks: torch.Tensor, positions: torch.Te
     SELECT_KERNEL_MAX_BLOCKS candidates, by its many-program form beyond (`select_blocks_wide`, ten launches), and
     by torch.topk and `expand_blocks` (one launch) for more queries than that serves. Token indices (L, W) and their
     validity (L, W), W <= B + c - 1. Same chosen set as the reference whenever the k-th and (k+1)-th block scores
-    differ (the kernel breaks ties by lowest block index and lists the chosen blocks in block order, which `attend`,
-    a softmax over the set, only sees as fp summation order)."""
+    differ (the kernels break ties by lowest block index and list the chosen blocks by rank or in block order,
+    which `attend`, a softmax over the set, only sees as fp summation order)."""
     c, kb = cfg.indexer_compress_ratio, cfg.block_topk
     nb = blocks.shape[0]
     k = min(kb, nb)
     scores = block_scores(q_idx, blocks, positions, cfg) if k > 0 else q_idx.new_empty(q_idx.shape[0], 0,
                                                                                           dtype=torch.float32)
     if nb <= RANK_SELECT_MAX_BLOCKS and scores.shape[0] <= RANK_SELECT_MAX_QUERIES:
-        chosen = select_blocks_ranked(scores, positions, k, c)
-        if chosen is not None:
-            return chosen
+        return select_blocks_ranked(scores, positions, k, c)
     if nb <= SELECT_KERNEL_MAX_BLOCKS:
         return select_blocks(scores, positions, k, c)
     if wide_supported(scores):

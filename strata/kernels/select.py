@@ -312,74 +312,60 @@ def expand_blocks(top_v: torch.Tensor, top_b: torch.Tensor, positions: torch.Ten
 RANK_ROWS = 16
 """Candidate blocks whose ranks one program of `select_blocks_ranked` counts (66 programs at 1,042 blocks)."""
 RANK_CHUNK = 1024
-"""Row blocks per step of that count: a [RANK_ROWS, RANK_CHUNK] comparison tile. H200, k = 512, one query, each
-launch alone (bench/results/2026-12-04-h200-select-ranked-lab.json): 6.2 / 7.7 / 8.2 us at 520 / 1,042 / 2,048
-blocks with 16 rows, 1024-block steps and 8 warps, against 8.4 / 11.5 / 12.2 for the one-program radix select;
-32 rows in 512-block steps (4 warps) 8.2 / 12.1 / 10.9."""
+"""Row blocks per step of that count: a [RANK_ROWS, RANK_CHUNK] comparison tile. (16 rows, 1024-block steps and
+8 warps were the best of 8-32 rows, 512-2048 blocks and 4-8 warps for the form that compacted in block order,
+bench/results/2026-12-04-h200-select-ranked-lab.json.)"""
 RANK_WARPS = 8
 
 
 @triton.jit
-def _rank_select_kernel(s_ptr, pos_ptr, idx_ptr, ok_ptr, sel_ptr, cnt_ptr, NB, K, s_sl, s_il, s_ol,
-                        BS: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr, C: tl.constexpr,
-                        CP: tl.constexpr, TP: tl.constexpr, BK: tl.constexpr, G: tl.constexpr,
+def _rank_select_kernel(s_ptr, pos_ptr, idx_ptr, ok_ptr, NB, K, s_sl, s_il, s_ol,
+                        BS: tl.constexpr, RB: tl.constexpr, C: tl.constexpr, TP: tl.constexpr,
                         GDC: tl.constexpr = False):
-    """Program (p, l): for the BS blocks i of row l from p * BS, the number of blocks that rank above i (a higher
-    key, or the same key at a lower index), compared against the whole row RB blocks at a time; i is chosen when
-    fewer than K do. That is the radix select's set: the K largest keys, ties to the lowest block index. The
-    flags go to sel[l]; the last program of the row (a ticket) compacts them in block order and expands the
-    chosen blocks as `_select_kernel` does (`_store_firsts`, `_expand`, `_tail`): the same outputs, bit for bit.
-    The ticket is drawn after `pdl.wait` and put back by the last program (`gemv.tickets`)."""
+    """Program (p, l): for the BS blocks i of row l from p * BS, rank(i) = the number of blocks that rank above i
+    (a higher key, or the same key at a lower index), counted against the whole row RB blocks at a time. i is
+    chosen when rank(i) < K, which is the radix select's set (the K largest keys, ties to the lowest block
+    index), and its c tokens and their validity (its score finite) go to slot rank(i): no program waits for
+    another. Program 0 also writes the tail."""
     pdl.started(GDC)
     pdl.wait(GDC)
     p = tl.program_id(0)
     l = tl.program_id(1)
     row = s_ptr + l.to(tl.int64) * s_sl
-    flags = sel_ptr + l.to(tl.int64) * NB
     SIGN: tl.constexpr = -2147483648
     i = p * BS + tl.arange(0, BS)
     im = i < NB
-    ki = _ukey(tl.load(row + i, mask=im, other=0.0)) ^ SIGN  # signed order of key ^ SIGN: the float order
-    above = tl.zeros([BS], tl.int32)
+    si = tl.load(row + i, mask=im, other=0.0)
+    ki = _ukey(si) ^ SIGN  # signed order of key ^ SIGN: the float order
+    rank = tl.zeros([BS], tl.int32)
     for c0 in range(0, NB, RB):
         j = c0 + tl.arange(0, RB)
         jm = j < NB
         kj = _ukey(tl.load(row + j, mask=jm, other=0.0)) ^ SIGN
         beats = (kj[None, :] > ki[:, None]) | ((kj[None, :] == ki[:, None]) & (j[None, :] < i[:, None]))
-        above += tl.sum((beats & jm[None, :]).to(tl.int32), axis=1)
-    tl.store(flags + i, (above < K).to(tl.int8), mask=im)
-    tl.debug_barrier()  # every thread's flags are written before the ticket is drawn
-    if tl.atomic_add(cnt_ptr + l, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        out_i = idx_ptr + l.to(tl.int64) * s_il
-        out_o = ok_ptr + l.to(tl.int64) * s_ol
-        grp = tl.arange(0, CB // G)[:, None] * G + tl.arange(0, G)[None, :]
-        base = tl.full([], 0, tl.int32)
-        for c0 in range(0, NB, CB):
-            o = c0 + grp
-            m = o < NB
-            sel = tl.load(flags + o, mask=m, other=0, cache_modifier=".cg") != 0
-            base = _store_firsts(out_i, o, sel, base, C)
-        tl.debug_barrier()  # the slots written above by any thread are read below by others
-        _expand(row, out_i, out_o, K, C, CP, BK)
+        rank += tl.sum((beats & jm[None, :]).to(tl.int32), axis=1)
+    sel = im & (rank < K)
+    out_i = idx_ptr + l.to(tl.int64) * s_il
+    out_o = ok_ptr + l.to(tl.int64) * s_ol
+    fin = (tl.abs(si) < float("inf")).to(tl.int8)  # NaN: False
+    for t in tl.static_range(C):
+        tl.store(out_i + rank * C + t, i.to(tl.int64) * C + t, mask=sel)
+        tl.store(out_o + rank * C + t, fin, mask=sel)
+    if p == 0:
         _tail(out_i, out_o, pos_ptr, l, K, C, TP)
-        tl.atomic_xchg(cnt_ptr + l, 0, sem="relaxed", scope="gpu")  # back to 0 for the next launch
 
 
 def select_blocks_ranked(scores: torch.Tensor, positions: torch.Tensor, k: int, c: int, rows: int = RANK_ROWS,
-                         chunk: int = RANK_CHUNK, num_warps: int = RANK_WARPS,
-                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`select_blocks` by ranks: every block's rank counted by comparison with the whole row, cdiv(nb, rows)
-    programs per query, then one program compacts and expands. Same outputs bit for bit (chosen set, block
-    order, ties, validity, tail); its work grows as nb^2, so it serves short rows (`attention.select_tokens`:
-    up to RANK_SELECT_MAX_BLOCKS), where the radix select's one program is a chain of dependent passes. None when
-    the current stream has no split-K ticket region (`gemv.tickets`) or too few counters: the caller takes
-    another path."""
+                         chunk: int = RANK_CHUNK, num_warps: int = RANK_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_blocks` by ranks, in one pass: every block's rank counted by comparison with the whole row,
+    cdiv(nb, rows) programs per query, and each chosen block written at its rank. The same chosen set, ties,
+    validity and tail as `select_blocks`, listed by rank (score descending, ties by block index: torch.topk's
+    order in the reference) instead of block order; `attend` sees the order only as fp summation order. Its
+    work grows as nb^2, so it serves short rows (`attention.select_tokens`: up to RANK_SELECT_MAX_BLOCKS), where
+    the radix select's one program is a chain of dependent passes."""
     L, nb = scores.shape
     assert 0 <= k <= nb and c >= 1 and scores.dtype == torch.float32
     dev = scores.device
-    cnt = tickets(dev)
-    if cnt is None or L > cnt.numel():
-        return None
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     positions = positions.contiguous()
     W = k * c + c - 1
@@ -387,14 +373,11 @@ def select_blocks_ranked(scores: torch.Tensor, positions: torch.Tensor, k: int, 
     ok = torch.empty(L, W, dtype=torch.bool, device=dev)
     if L == 0 or W == 0:
         return idx, ok
-    flags = torch.empty(L, max(nb, 1), dtype=torch.int8, device=dev)
     rows = max(16, triton.next_power_of_2(min(rows, max(1, nb))))
     _rank_select_kernel[(max(1, triton.cdiv(nb, rows)), L)](
-        scores, positions, idx, ok.view(torch.int8), flags, cnt, nb, k, scores.stride(0), idx.stride(0),
-        ok.stride(0), BS=rows, RB=max(16, triton.next_power_of_2(min(chunk, max(1, nb)))),
-        CB=max(16, triton.next_power_of_2(min(2048, max(1, nb)))), C=c, CP=triton.next_power_of_2(c),
-        TP=triton.next_power_of_2(c - 1) if c > 1 else 0, BK=min(1024, max(16, triton.next_power_of_2(k))), G=8,
-        num_warps=num_warps, **pdl.launch(dev))
+        scores, positions, idx, ok.view(torch.int8), nb, k, scores.stride(0), idx.stride(0), ok.stride(0),
+        BS=rows, RB=max(16, triton.next_power_of_2(min(chunk, max(1, nb)))), C=c,
+        TP=triton.next_power_of_2(c - 1) if c > 1 else 0, num_warps=num_warps, **pdl.launch(dev))
     return idx, ok
 
 
