@@ -41,7 +41,7 @@ from strata.runtime.placement import fast_ops, gpu_layout  # noqa: E402
 from strata.runtime.synthetic import TypeMix, real_config, synthetic_weights  # noqa: E402
 
 BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attention.select_blocks_ranked,
-        "attend": attention.attend, "hc_read_defaults": hyper.hc_read_defaults,
+        "RANK_SELECT_MAX_BLOCKS": attention.RANK_SELECT_MAX_BLOCKS, "attend": attention.attend, "hc_read_defaults": hyper.hc_read_defaults,
         "launch_shape": gemv_rr.launch_shape}
 
 
@@ -49,7 +49,7 @@ def _frozen_select(scores, positions, k, c, *a, **kw):
     """The selection's outputs of the warm-up, reused while the step is being captured (no launch)."""
     key = (tuple(scores.shape), k, c)
     if not torch.cuda.is_current_stream_capturing():
-        out = BASE["select_blocks_ranked"](scores, positions, k, c) or BASE["select_blocks"](scores, positions, k, c)
+        out = BASE["select_blocks_ranked"](scores, positions, k, c)
         _frozen_select.cache[key] = (out[0].clone(), out[1].clone())
     return _frozen_select.cache[key]
 
@@ -69,6 +69,7 @@ def apply(variant: str) -> None:
     """Reset every patch, then apply `variant`'s (see the module docstring)."""
     attention.select_blocks = BASE["select_blocks"]
     attention.select_blocks_ranked = BASE["select_blocks_ranked"]
+    attention.RANK_SELECT_MAX_BLOCKS = BASE["RANK_SELECT_MAX_BLOCKS"]
     attention.attend = BASE["attend"]
     hyper.hc_read_defaults = BASE["hc_read_defaults"]
     gemv_rr.launch_shape = BASE["launch_shape"]
@@ -78,7 +79,7 @@ def apply(variant: str) -> None:
     if name == "select" and args == ["removed"]:
         attention.select_blocks_ranked = _frozen_select
     elif name == "select" and args == ["radix"]:
-        attention.select_blocks_ranked = lambda *a, **kw: None
+        attention.RANK_SELECT_MAX_BLOCKS = 0
     elif name == "select" and args[:1] == ["ranked"] and len(args) == 3:
         attention.select_blocks_ranked = functools.partial(BASE["select_blocks_ranked"], rows=int(args[1]),
                                                            chunk=int(args[2]))
