@@ -41,8 +41,8 @@ from strata.runtime.placement import fast_ops, gpu_layout  # noqa: E402
 from strata.runtime.synthetic import TypeMix, real_config, synthetic_weights  # noqa: E402
 
 BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attention.select_blocks_ranked,
-        "RANK_SELECT_MAX_BLOCKS": attention.RANK_SELECT_MAX_BLOCKS, "attend": attention.attend, "hc_read_defaults": hyper.hc_read_defaults,
-        "launch_shape": gemv_rr.launch_shape}
+        "RANK_SELECT_MAX_BLOCKS": attention.RANK_SELECT_MAX_BLOCKS, "attend": attention.attend,
+        "hc_read_defaults": hyper.hc_read_defaults, "launch_shape": gemv_rr.launch_shape}
 
 
 def _frozen_select(scores, positions, k, c, *a, **kw):
