@@ -56,8 +56,8 @@ def zlib_seed(name: str) -> int:
     return zlib.crc32(name.encode())
 
 QUANT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_0_R8", "IQ4_NL", "Q2_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-               "Q6_K_P", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS", "Q8_0_R", "Q4_K_R",
-               "Q5_1_R", "Q6_K_R"]
+               "Q6_K_P", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS", "IQ1_S", "IQ1_M", "Q8_0_R",
+               "Q4_K_R", "Q5_1_R", "Q6_K_R"]
 DENSE_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 def k_for(name: str) -> int:
@@ -73,6 +73,10 @@ def random_blocks(name: str, rows: int, k: int, rng: np.random.Generator) -> tor
     for off in t.f16_fields:
         v = (rng.uniform(0.005, 0.02, size=n) * rng.choice([-1.0, 1.0], size=n)).astype(np.float16)
         raw[:, off:off + 2] = v.view(np.uint8).reshape(n, 2)
+    if name == "IQ1_M":  # fp16 d in the top nibbles of the four scale words (bytes 49, 51, 53, 55)
+        d = (rng.uniform(0.005, 0.02, size=n) * rng.choice([-1.0, 1.0], size=n)).astype(np.float16).view(np.uint16)
+        for j in range(4):
+            raw[:, 49 + 2 * j] = (raw[:, 49 + 2 * j] & 0x0F) | (((d >> (4 * j)) & 0xF) << 4).astype(np.uint8)
     return torch.from_numpy(raw.reshape(rows, -1))
 
 
@@ -160,7 +164,7 @@ def test_gemv_rejects_bad_input() -> None:
     raw = random_blocks("Q4_0", 4, 64, np.random.default_rng(6))
     x = torch.randn(1, 64)
     with pytest.raises(ValueError, match="no Triton GEMV"):
-        G.gemv(x, raw, 19, 64)  # IQ1_S: no kernel
+        G.gemv(x, raw, 34, 64)  # TQ1_0: no kernel
     with pytest.raises(ValueError, match="rows of"):
         G.gemv(torch.randn(1, 96), raw, "Q4_0", 96)
     with pytest.raises(ValueError, match="x: expected"):
@@ -181,6 +185,9 @@ def test_tables_match_gguf() -> None:
         assert np.array_equal(gemv_tables.grid_values(name).astype(np.float32), cls.grid.reshape(cls.grid_shape))
         words = gemv_tables.grid_words(name).view(np.uint8).reshape(cls.grid_shape)
         assert np.array_equal(words, gemv_tables.grid_values(name))
+    gq.IQ1_S.init_grid()
+    words = gemv_tables.iq1_grid_words().view(np.uint8).reshape(gq.IQ1_S.grid_shape)
+    assert np.array_equal(words.astype(np.float32) - 1, gq.IQ1_S.grid.reshape(gq.IQ1_S.grid_shape))
     assert gemv_tables.IQ4_KVALUES == gq.IQ4_NL.kvalues
 
 
@@ -263,7 +270,7 @@ def test_split_k_is_lowered_to_a_divisor_of_the_chunks() -> None:
 
 
 @pytest.mark.parametrize("name", ["IQ4_NL", "Q8_0", "Q5_1", "Q4_K", "Q6_K", "IQ4_XS", "Q8_0_R8", "Q6_K_P", "Q8_0_R",
-                                  "Q4_K_R", "Q5_1_R", "Q6_K_R"])
+                                  "Q4_K_R", "Q5_1_R", "Q6_K_R", "IQ1_S", "IQ1_M"])
 def test_dequantize_rows_matches_the_reference_decoder(name: str) -> None:
     """5 stored rows (three programs of 2, the last partial) decoded to fp32 equal quants.dequantize to fp32
     rounding (the decoders form d*sc first), and to bf16 they round to the same value but where the two fp32
@@ -278,6 +285,8 @@ def test_dequantize_rows_matches_the_reference_decoder(name: str) -> None:
     got16 = G.dequantize_rows(raw, name, k, torch.bfloat16)
     assert got16.dtype == torch.bfloat16
     assert (got16 != ref.to(torch.bfloat16)).float().mean() < 1e-3
+    if name.startswith("IQ1"):  # one rounding, dl (grid + delta), as the reference: the same bits
+        assert torch.equal(got, ref)
 
 
 def test_dequantize_rows_of_dense_types() -> None:

@@ -133,6 +133,8 @@ _TYPE_LIST: tuple[GemvType, ...] = (
     GemvType("IQ3_S", 21, 256, 110, gb.decode_iq3_s, 5, 1, table="IQ3_S", block_n=8, f16_fields=(0,)),
     GemvType("IQ2_S", 22, 256, 82, gb.decode_iq2_s, 5, 1, table="IQ2_S", block_n=8, f16_fields=(0,)),
     GemvType("IQ4_XS", 23, 256, 136, gb.decode_iq4_xs, 4, 1, table="IQ4", f16_fields=(0,)),
+    GemvType("IQ1_S", 19, 256, 50, gb.decode_iq1_s, 5, 1, table="IQ1_S", block_n=8, f16_fields=(0,)),
+    GemvType("IQ1_M", 29, 256, 56, gb.decode_iq1_m, 5, 1, table="IQ1_S", block_n=8),  # d: the scales' top nibbles
     GemvType("Q8_0_R8", 1008, 256, 272, gb.decode_q8_0_r8, 4, 4, block_n=4, f16_fields=tuple(range(0, 16, 2))),
     GemvType("Q6_K_P", 1014, 256, 224, gb.decode_q6_k_p, 6, 1, block_n=16, f16_fields=(208,), load=gb.load_q6_k_p,
              unpack=gb.unpack_q6_k_p),

@@ -615,6 +615,54 @@ def decode_iq3_s(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
     return _grid4(word, sg >> ((p % 2) * 4)[None, None, :], db)
 
 
+@triton.jit
+def _gbyte1(word, off, dl, SH: tl.constexpr):
+    """Byte SH/8 of IQ1 grid words `word` (grid value + 1), less `off` (1 - delta: exact), times dl."""
+    return (_i2f((word >> SH) & 255, 0.0) - off) * dl
+
+
+@triton.jit
+def _grid8_iq1(idx, dl, delta, tab):
+    """The 1-bit i-quants' weights: 32 groups of 8, group g = row idx[:, g] of iq1s_grid (values -1, 0, 1, stored
+    + 1 as 2 int32 words of 4 bytes in tab), w = dl (value + delta) with one rounding, as ggml's dequantisation:
+    dl, delta [BN, 32]. [BN, 32, 2, 2, 2], x element 8g + (index within the row)."""
+    g = tl.arange(0, 32)
+    w0 = tl.load(tab + idx * 2)
+    w1 = tl.load(tab + idx * 2 + 1)
+    off = 1.0 - delta
+    w = _j8(_gbyte1(w0, off, dl, 0), _gbyte1(w0, off, dl, 8), _gbyte1(w0, off, dl, 16), _gbyte1(w0, off, dl, 24),
+            _gbyte1(w1, off, dl, 0), _gbyte1(w1, off, dl, 8), _gbyte1(w1, off, dl, 16), _gbyte1(w1, off, dl, 24))
+    base = g * 8
+    return w, _j8(base, base + 1, base + 2, base + 3, base + 4, base + 5, base + 6, base + 7)
+
+
+@triton.jit
+def decode_iq1_s(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """IQ1_S: {fp16 d; qs[32] (grid index low 8 bits); uint16 qh[8], one per 32 weights: 4 x 3 index high bits,
+    a 3-bit scale s, the delta's sign}; w = d (2 s + 1) (grid +- 1/8)."""
+    g = tl.arange(0, 32)
+    qh = _u16(rp[:, None] + 34 + (g // 4 * 2)[None, :])
+    idx = _u8(rp[:, None] + 2 + g[None, :]) | (((qh >> (3 * (g % 4))[None, :]) & 7) << 8)
+    dl = _f16(rp)[:, None] * _i2f(2 * ((qh >> 12) & 7) + 1, 0.0)
+    return _grid8_iq1(idx, dl, tl.where((qh & 0x8000) != 0, -0.125, 0.125), tab)
+
+
+@triton.jit
+def decode_iq1_m(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
+    """IQ1_M: {qs[32] (grid index low 8 bits); qh[16], a nibble per 8 weights: 3 index high bits, the delta's
+    sign; uint16 sc[4]: 4 x 3-bit scales (one per 16 weights) each, their top nibbles together the fp16 d};
+    w = d (2 s + 1) (grid +- 1/8)."""
+    g = tl.arange(0, 32)
+    nib = (_u8(rp[:, None] + 32 + (g // 2)[None, :]) >> (4 * (g % 2))[None, :]) & 15
+    idx = _u8(rp[:, None] + g[None, :]) | ((nib & 7) << 8)
+    k = tl.arange(0, 4)
+    dbits = tl.sum((_u16(rp[:, None] + 48 + (k * 2)[None, :]) >> 12) << (4 * k)[None, :], axis=1)
+    d = dbits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    s3 = (_u16(rp[:, None] + 48 + (g // 8 * 2)[None, :]) >> (3 * ((g // 2) % 4))[None, :]) & 7
+    dl = d[:, None] * _i2f(2 * s3 + 1, 0.0)
+    return _grid8_iq1(idx, dl, tl.where((nib & 8) != 0, -0.125, 0.125), tab)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # strata's repacked layouts (made at placement from the ggml ones; same bytes, 16-byte aligned quants)
 

@@ -1,7 +1,7 @@
 """Lookup tables the i-quant GEMV kernels read from device memory.
 
 The i-quants store indices into fixed codebooks (llama.cpp's `iq2xxs_grid`, `iq2xs_grid`, `iq2s_grid`,
-`iq3xxs_grid`, `iq3s_grid`) and IQ4_NL/IQ4_XS a 16-entry non-linear code. A Triton kernel has no constant arrays,
+`iq3xxs_grid`, `iq3s_grid`, `iq1s_grid`) and IQ4_NL/IQ4_XS a 16-entry non-linear code. A Triton kernel has no constant arrays,
 so each table is a small device tensor that the kernel gathers from; they are a few KiB and stay in L1.
 
 The grids are kept here in the compact form gguf-py uses (hex of packed per-element codes into a short value map),
@@ -159,6 +159,15 @@ def grid_words(name: str) -> np.ndarray:
     return np.ascontiguousarray(grid_values(name)).view("<u4").view(np.int32).reshape(-1)
 
 
+def iq1_grid_words() -> np.ndarray:
+    """IQ1_S / IQ1_M's codebook (`iq1s_grid`, values -1, 0, 1, kept in `strata.weights.quants_iq`) as int32 words
+    of 4 byte values each stored + 1, so that they are unsigned like the other grids."""
+    from strata.weights.quants_iq import iq1s_grid
+
+    values = (iq1s_grid().numpy() + 1).astype(np.uint8)
+    return np.ascontiguousarray(values).view("<u4").view(np.int32).reshape(-1).copy()
+
+
 _DEVICE_TABLES: dict[tuple[str, str], torch.Tensor] = {}
 
 
@@ -172,6 +181,8 @@ def device_table(name: str, device: torch.device) -> torch.Tensor:
     if t is None:
         if name == "IQ4":
             host = torch.tensor(IQ4_KVALUES, dtype=torch.float32)
+        elif name == "IQ1_S":
+            host = torch.from_numpy(iq1_grid_words())
         else:
             host = torch.from_numpy(grid_words(name).copy())
         t = host.to(device)
