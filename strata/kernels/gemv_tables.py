@@ -1,13 +1,14 @@
 """Lookup tables the i-quant GEMV kernels read from device memory.
 
 The i-quants store indices into fixed codebooks (llama.cpp's `iq2xxs_grid`, `iq2xs_grid`, `iq2s_grid`,
-`iq3xxs_grid`, `iq3s_grid`, `iq1s_grid`) and IQ4_NL/IQ4_XS a 16-entry non-linear code. A Triton kernel has no constant arrays,
-so each table is a small device tensor that the kernel gathers from; they are a few KiB and stay in L1.
+`iq3xxs_grid`, `iq3s_grid`, `iq1s_grid`) and IQ4_NL/IQ4_XS a 16-entry non-linear code. A Triton kernel has no
+constant arrays, so each table is a small device tensor that the kernel gathers from; they are a few KiB and stay
+in L1.
 
 The grids are kept here in the compact form gguf-py uses (hex of packed per-element codes into a short value map),
-which is also how the tests cross-check them against gguf-py. On the device a grid row of 8 (or 4) byte values is
-stored as 2 (or 1) little-endian int32 words, so a kernel fetches 4 grid values per gather and unpacks them with
-shifts: a quarter of the loads of a byte table.
+which is also how the tests cross-check them against gguf-py (`iq1s_grid` comes from `strata.weights.quants_iq`).
+On the device a grid row of 8 (or 4) byte values is stored as 2 (or 1) little-endian int32 words, so a kernel
+fetches 4 grid values per gather and unpacks them with shifts: a quarter of the loads of a byte table.
 """
 
 from __future__ import annotations
