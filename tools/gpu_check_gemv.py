@@ -58,6 +58,11 @@ def random_rows(name: str, shape: tuple[int, ...], k: int, gen: torch.Generator)
         mag = torch.rand((*shape, nb), generator=gen, device="cuda") * 0.015 + 0.005
         sign = torch.randint(0, 2, (*shape, nb), generator=gen, device="cuda") * 2 - 1
         data[..., off:off + 2] = (mag * sign).to(torch.float16).view(torch.uint8).reshape(*shape, nb, 2)
+    if name == "IQ1_M":  # fp16 d in the top nibbles of the four scale words (bytes 49, 51, 53, 55)
+        mag = torch.rand((*shape, nb), generator=gen, device="cuda") * 0.015 + 0.005
+        d = mag.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+        for j in range(4):
+            data[..., 49 + 2 * j] = (data[..., 49 + 2 * j] & 0x0F) | (((d >> (4 * j)) & 0xF) << 4).to(torch.uint8)
     return data.reshape(*shape, nb * t.block_bytes)
 
 
