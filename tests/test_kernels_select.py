@@ -280,16 +280,12 @@ def test_ranked_select_ties_span_programs(rows, chunk):
 
 
 def test_ranked_select_every_element_written():
-    """Poisoned outputs are all overwritten (each chosen block lands on a distinct rank < k)."""
-    from strata.kernels import select
+    """Poisoned outputs given as `out` are all overwritten (each chosen block lands on a distinct rank < k)."""
+    from strata.kernels.select import select_blocks_ranked
 
     s = draw(2, 300, 64, seed=11, visible=[300, 20])
-    real_empty = torch.empty
-
-    def poisoned(*a, **kw):
-        t = real_empty(*a, **kw)
-        return t.fill_(-7) if t.dtype == torch.int64 else t.view(torch.uint8).fill_(7).view(t.dtype)
-    import unittest.mock
-    with unittest.mock.patch.object(select.torch, "empty", poisoned):
-        idx, ok = select.select_blocks_ranked(s, torch.tensor([1199, 83]), 64, 4)
+    idx = torch.full((2, 64 * 4 + 3), -7, dtype=torch.int64)
+    ok = torch.full((2, 64 * 4 + 3), 7, dtype=torch.uint8).view(torch.bool)  # neither True nor False
+    got = select_blocks_ranked(s, torch.tensor([1199, 83]), 64, 4, out=(idx, ok))
+    assert got[0] is idx and got[1] is ok
     assert (idx >= 0).all() and (ok.view(torch.uint8) <= 1).all()

@@ -222,17 +222,13 @@ def _tail(out_i, out_o, pos_ptr, l, K, C: tl.constexpr, TP: tl.constexpr):
         tl.store(out_o + K * C + t, (tok <= pos).to(tl.int8), mask=tm)
 
 
-def select_blocks(scores: torch.Tensor, positions: torch.Tensor, k: int, c: int, block: int | None = None,
-                  num_warps: int | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token indices (L, k*c + c-1) int64 of each query's top-k blocks by `scores` (L, nb) fp32, expanded to
-    their c tokens, then the tail after the query's complete blocks; and their validity (finite score / tail
-    position <= the query's `positions`). 0 <= k <= nb. See the module docstring for ties and order. `out`:
-    contiguous (idx, ok) to write into (every element is written); `block`/`num_warps`: chunk and warps."""
+def _operands(scores: torch.Tensor, positions: torch.Tensor, k: int, c: int,
+              out: tuple[torch.Tensor, torch.Tensor] | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What every selection launcher checks and makes: scores (L, nb) with unit inner stride, contiguous
+    positions, and the outputs idx (L, k*c + c-1) int64 and ok (same) bool, `out` or new."""
     L, nb = scores.shape
     assert 0 <= k <= nb and c >= 1
-    scores = scores if scores.stride(-1) == 1 else scores.contiguous()
-    positions = positions.contiguous()
     W = k * c + c - 1
     if out is None:
         out = (torch.empty(L, W, dtype=torch.int64, device=scores.device),
@@ -240,7 +236,19 @@ def select_blocks(scores: torch.Tensor, positions: torch.Tensor, k: int, c: int,
     idx, ok = out
     assert idx.shape == ok.shape == (L, W) and idx.dtype == torch.int64 and ok.dtype == torch.bool
     assert idx.stride(-1) == 1 and ok.stride(-1) == 1
-    if L == 0 or W == 0:
+    return (scores if scores.stride(-1) == 1 else scores.contiguous()), positions.contiguous(), idx, ok
+
+
+def select_blocks(scores: torch.Tensor, positions: torch.Tensor, k: int, c: int, block: int | None = None,
+                  num_warps: int | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token indices (L, k*c + c-1) int64 of each query's top-k blocks by `scores` (L, nb) fp32, expanded to
+    their c tokens, then the tail after the query's complete blocks; and their validity (finite score / tail
+    position <= the query's `positions`). 0 <= k <= nb. See the module docstring for ties and order. `out`:
+    contiguous (idx, ok) to write into (every element is written); `block`/`num_warps`: chunk and warps."""
+    scores, positions, idx, ok = _operands(scores, positions, k, c, out)
+    L, nb = scores.shape
+    if idx.numel() == 0:
         return idx, ok
     if block is None:
         # one chunk up to 2048 blocks (a second, nearly empty chunk doubles every pass's loads: 19-20 -> 16-17 us
@@ -356,28 +364,24 @@ def _rank_select_kernel(s_ptr, pos_ptr, idx_ptr, ok_ptr, NB, K, s_sl, s_il, s_ol
 
 
 def select_blocks_ranked(scores: torch.Tensor, positions: torch.Tensor, k: int, c: int, rows: int = RANK_ROWS,
-                         chunk: int = RANK_CHUNK, num_warps: int = RANK_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+                         chunk: int = RANK_CHUNK, num_warps: int = RANK_WARPS,
+                         out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`select_blocks` by ranks, in one pass: every block's rank counted by comparison with the whole row,
     cdiv(nb, rows) programs per query, and each chosen block written at its rank. The same chosen set, ties,
     validity and tail as `select_blocks`, listed by rank (score descending, ties by block index: torch.topk's
     order in the reference) instead of block order; `attend` sees the order only as fp summation order. Its
     work grows as nb^2, so it serves short rows (`attention.select_tokens`: up to RANK_SELECT_MAX_BLOCKS), where
-    the radix select's one program is a chain of dependent passes."""
+    the radix select's one program is a chain of dependent passes. `out` as in `select_blocks`."""
+    assert scores.dtype == torch.float32
+    scores, positions, idx, ok = _operands(scores, positions, k, c, out)
     L, nb = scores.shape
-    assert 0 <= k <= nb and c >= 1 and scores.dtype == torch.float32
-    dev = scores.device
-    scores = scores if scores.stride(-1) == 1 else scores.contiguous()
-    positions = positions.contiguous()
-    W = k * c + c - 1
-    idx = torch.empty(L, W, dtype=torch.int64, device=dev)
-    ok = torch.empty(L, W, dtype=torch.bool, device=dev)
-    if L == 0 or W == 0:
+    if idx.numel() == 0:
         return idx, ok
     rows = max(16, triton.next_power_of_2(min(rows, max(1, nb))))
     _rank_select_kernel[(max(1, triton.cdiv(nb, rows)), L)](
         scores, positions, idx, ok.view(torch.int8), nb, k, scores.stride(0), idx.stride(0), ok.stride(0),
         BS=rows, RB=max(16, triton.next_power_of_2(min(chunk, max(1, nb)))), C=c,
-        TP=triton.next_power_of_2(c - 1) if c > 1 else 0, num_warps=num_warps, **pdl.launch(dev))
+        TP=triton.next_power_of_2(c - 1) if c > 1 else 0, num_warps=num_warps, **pdl.launch(scores.device))
     return idx, ok
 
 
@@ -527,15 +531,11 @@ def select_blocks_wide(scores: torch.Tensor, positions: torch.Tensor, k: int, c:
     The passes meet through a per-query histogram of integer atomics and a ticket, both kept in the stream's
     split-K ticket counters (`gemv.tickets`: zeros between launches); no host sync: capturable.
     None when the current stream has no split-K ticket region (`gemv.tickets`): the caller takes another path."""
+    assert wide_supported(scores)
+    scores, positions, idx, ok = _operands(scores, positions, k, c)
     L, nb = scores.shape
-    assert 0 <= k <= nb and c >= 1 and wide_supported(scores)
     dev = scores.device
-    scores = scores if scores.stride(-1) == 1 else scores.contiguous()
-    positions = positions.contiguous()
-    W = k * c + c - 1
-    idx = torch.empty(L, W, dtype=torch.int64, device=dev)
-    ok = torch.empty(L, W, dtype=torch.bool, device=dev)
-    if L == 0 or W == 0:
+    if idx.numel() == 0:
         return idx, ok
     chunk = max(16, triton.next_power_of_2(min(chunk, max(1, nb))))
     P = max(1, triton.cdiv(nb, chunk))
