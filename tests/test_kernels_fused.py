@@ -73,7 +73,8 @@ class _NoLaunch:
 def test_gdn_step_one_launch_equals_two(monkeypatch, order, gate, dtype, K, block_v, heads):
     """The ticketed one-launch step (norm by the last program of each value head, q / k window shift by the
     last program of each key head) gives the two-launch path's bits: output, conv window and state, over
-    consecutive tokens (each window shift feeds the next conv); the ticket counters are back at zero."""
+    consecutive tokens (each window shift feeds the next conv); the ticket counters are back at zero. Every
+    other token reads its state as settled (before the PDL wait on a GPU): the same bits."""
     from strata.kernels import gemv
 
     cfg = config(output_gate_type=gate, linear_conv_kernel_dim=K, linear_num_key_heads=heads[0],
@@ -86,14 +87,14 @@ def test_gdn_step_one_launch_equals_two(monkeypatch, order, gate, dtype, K, bloc
     one = GDNState(rnd(C, K - 1).to(dtype), rnd(nv, dk, dv))
     two = one.clone()
     cnt = gemv.tickets(torch.device("cpu"))
-    for _ in range(4):
+    for step in range(4):
         x, z, b, a = (t.to(dtype) for t in (rnd(1, C), rnd(1, nv * dv), rnd(1, nv), rnd(1, nv) * 4))
         with monkeypatch.context() as m:
             m.setattr(gdn, "tickets", lambda device: None)
             want = gdn.gdn_step(x, z, b, a, prm, two, cfg, block_v=block_v)
         with monkeypatch.context() as m:
             m.setattr(gdn, "_gdn_out_kernel", _NoLaunch())
-            got = gdn.gdn_step(x, z, b, a, prm, one, cfg, block_v=block_v)
+            got = gdn.gdn_step(x, z, b, a, prm, one, cfg, block_v=block_v, state_settled=step % 2 == 1)
         assert torch.equal(got, want)
         assert torch.equal(one.conv, two.conv)
         assert torch.equal(one.recurrent, two.recurrent)
@@ -102,9 +103,12 @@ def test_gdn_step_one_launch_equals_two(monkeypatch, order, gate, dtype, K, bloc
 
 
 # ------------------------------------------------------------------------------------------------ attention
-@pytest.mark.parametrize("L,W,split,dtype", [(1, 11, None, torch.float32), (1, 300, 32, torch.float32),
-                                             (3, 70, 64, torch.float32), (1, 70, 32, torch.bfloat16)])
-def test_attend_matches_reference(L, W, split, dtype):
+@pytest.mark.parametrize("L,W,split,dtype,tile", [
+    (1, 11, None, torch.float32, None), (1, 300, 32, torch.float32, None), (1, 300, 32, torch.float32, 64),
+    (3, 70, 64, torch.float32, None), (1, 70, 32, torch.bfloat16, None), (1, 70, 32, torch.bfloat16, 32)])
+def test_attend_matches_reference(L, W, split, dtype, tile):
+    """One split, and the merge of several: in one pass, or (a merge tile smaller than the splits) in passes
+    of a few splits after a first pass for the max."""
     cfg = config()
     g = torch.Generator().manual_seed(2)
     state = QSAState.empty(cfg, dtype, "cpu", 64)
@@ -114,7 +118,7 @@ def test_attend_matches_reference(L, W, split, dtype):
     idx = torch.randint(-2, 66, (L, W), generator=g)  # out-of-range rows are clamped, as in the reference
     ok = torch.rand(L, W, generator=g) > 0.3
     ok[:, 0] = True
-    got = attention.attend(q, state, idx, ok, cfg, split=split)
+    got = attention.attend(q, state, idx, ok, cfg, split=split, merge_tile=tile or attention.MERGE_TILE)
     want = attend_ref(q, state, idx, ok, cfg)
     assert got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 4 * 2 ** -8 * float(want.abs().max())

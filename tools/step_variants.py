@@ -9,10 +9,16 @@ a launch out of the graph (its outputs frozen from the warm-up) bounds what a fa
 
     python tools/step_variants.py --out variants.json base select:removed select:radix base
 
-Variants (list `base` more than once to see the run-to-run spread):
+Variants (list `base` more than once to see the run-to-run spread; join several with +):
   base                       the step as the engine runs it
   select:removed             the QSA selection's launch left out of the graph (outputs from the warm-up)
   select:radix               the one-program radix select instead of the ranked one
+  route:removed              the MoE routing's launch left out of the graph (ids and weights from the warm-up)
+  release:at-wait            launches by expert ids let the next kernel in right after their wait
+                             (`gemv_rr.RELEASE_AT_WAIT`)
+  gdn-state:after-wait       the GDN step reads its state after its PDL wait (`gdn.STATE_SETTLED_IN_STEP`)
+  ids-early:off              the routed down projections read the expert ids after their PDL wait
+                             (`ops.SETTLED_IDS`)
   select:ranked:ROWS:CHUNK   the ranked selection with these knobs (`select.select_blocks_ranked`)
   attend:SPLIT:BW            QSA attention with SPLIT keys per program in steps of BW (`attention.attend`)
   hc:I                       the HC read's knobs set to `hyper.hc_read_configs(...)[I]` (but its `finish_in_down`)
@@ -24,6 +30,7 @@ Variants (list `base` more than once to see the run-to-run spread):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -34,7 +41,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from strata.kernels import attention, gemv_rr, hyper, pdl  # noqa: E402
+from strata.kernels import attention, gdn, gemv_rr, hyper, moe, pdl  # noqa: E402
+from strata.kernels import ops as kernel_ops  # noqa: E402
 from strata.model.model import Model  # noqa: E402
 from strata.runtime import bench  # noqa: E402
 from strata.runtime.placement import fast_ops, gpu_layout  # noqa: E402
@@ -42,7 +50,9 @@ from strata.runtime.synthetic import TypeMix, real_config, synthetic_weights  # 
 
 BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attention.select_blocks_ranked,
         "RANK_SELECT_MAX_BLOCKS": attention.RANK_SELECT_MAX_BLOCKS, "attend": attention.attend,
-        "hc_read_defaults": hyper.hc_read_defaults, "launch_shape": gemv_rr.launch_shape}
+        "hc_read_defaults": hyper.hc_read_defaults, "launch_shape": gemv_rr.launch_shape,
+        "SETTLED_IDS": kernel_ops.SETTLED_IDS, "RELEASE_AT_WAIT": gemv_rr.RELEASE_AT_WAIT,
+        "STATE_SETTLED_IN_STEP": gdn.STATE_SETTLED_IN_STEP}
 
 
 def _frozen_select(scores, positions, k, c, *a, **kw):
@@ -57,6 +67,18 @@ def _frozen_select(scores, positions, k, c, *a, **kw):
 _frozen_select.cache = {}
 
 
+def _frozen_route(logits, k, norm):
+    """The routing's outputs of the warm-up (every layer gets the same experts), reused while capturing."""
+    key = (tuple(logits.shape), k)
+    if not torch.cuda.is_current_stream_capturing():
+        i, w = moe.route(logits, k, norm)
+        _frozen_route.cache[key] = (i.clone(), w.clone())
+    return _frozen_route.cache[key]
+
+
+_frozen_route.cache = {}
+
+
 def _shape_override(kind: str, n_chunks: int, lo: int, hi: int, shape: tuple[int, ...]):
     def launch_shape(k: str, nch: int, tiles: int = 1 << 30) -> tuple[int, int, int, int]:
         if k == kind and nch == n_chunks and lo <= tiles < hi:
@@ -65,18 +87,37 @@ def _shape_override(kind: str, n_chunks: int, lo: int, hi: int, shape: tuple[int
     return launch_shape
 
 
-def apply(variant: str) -> None:
-    """Reset every patch, then apply `variant`'s (see the module docstring)."""
+def apply(variant: str) -> dict:
+    """Reset every patch, then apply those of `variant`'s parts (see the module docstring); the op table
+    entries they swap."""
     attention.select_blocks = BASE["select_blocks"]
     attention.select_blocks_ranked = BASE["select_blocks_ranked"]
     attention.RANK_SELECT_MAX_BLOCKS = BASE["RANK_SELECT_MAX_BLOCKS"]
     attention.attend = BASE["attend"]
     hyper.hc_read_defaults = BASE["hc_read_defaults"]
     gemv_rr.launch_shape = BASE["launch_shape"]
+    kernel_ops.SETTLED_IDS = BASE["SETTLED_IDS"]
+    gemv_rr.RELEASE_AT_WAIT = BASE["RELEASE_AT_WAIT"]
+    gdn.STATE_SETTLED_IN_STEP = BASE["STATE_SETTLED_IN_STEP"]
+    swaps = {}
+    for part in variant.split("+"):
+        swaps.update(_apply_one(part))
+    return swaps
+
+
+def _apply_one(variant: str) -> dict:
     name, *args = variant.split(":")
     if name == "base":
-        return
-    if name == "select" and args == ["removed"]:
+        return {}
+    if name == "route" and args == ["removed"]:
+        return {"route": _frozen_route}
+    if name == "gdn-state" and args == ["after-wait"]:
+        gdn.STATE_SETTLED_IN_STEP = False
+    elif name == "release" and args == ["at-wait"]:
+        gemv_rr.RELEASE_AT_WAIT = True
+    elif name == "ids-early" and args == ["off"]:
+        kernel_ops.SETTLED_IDS = False
+    elif name == "select" and args == ["removed"]:
         attention.select_blocks_ranked = _frozen_select
     elif name == "select" and args == ["radix"]:
         attention.RANK_SELECT_MAX_BLOCKS = 0
@@ -96,6 +137,7 @@ def apply(variant: str) -> None:
         gemv_rr.launch_shape = _shape_override(args[0], int(args[1]), int(args[2]), int(args[3]), shape)
     else:
         raise SystemExit(f"unknown variant {variant!r} (see --help)")
+    return {}
 
 
 def main() -> int:
@@ -115,8 +157,8 @@ def main() -> int:
               "context": args.context, "floor_ms": floor_ms, "rows": []}
     print(f"{'variant':<34}{'replay ms':>10}{'ms/token':>10}{'GDN us':>8}{'QSA us':>8}", flush=True)
     for variant in args.variants:
-        apply(variant)
-        model = Model(w, torch.bfloat16, dev, fast_ops(streams=True))  # the op table binds some kernels
+        swaps = apply(variant)
+        model = Model(w, torch.bfloat16, dev, dataclasses.replace(fast_ops(streams=True), **swaps))
         t0 = time.perf_counter()
         r = bench.bench_decode(model, args.context, args.tokens, 3, stage_table=False, profile=True,
                                timeline=True)

@@ -73,6 +73,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ok_ptr, out_ptr, m_ptr, l_p
         valid = (tl.load(ok_ptr + l * s_ol + w, mask=wm, other=0) != 0) & wm
         lm = valid[:, None] & dm[None, :]
         kt = tl.load(k_ptr + rows[:, None] * s_kr + kvh * s_kh + d[None, :], mask=lm, other=0.0)
+        vt = tl.load(v_ptr + rows[:, None] * s_vr + kvh * s_vh + d[None, :], mask=lm, other=0.0)  # with K's
         if UPCAST:
             kt = kt.to(tl.float32)
         if IEEE:
@@ -85,7 +86,6 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, ok_ptr, out_ptr, m_ptr, l_p
         corr = tl.exp(m_i - m_safe)
         p = tl.exp(sc - m_safe[:, None])
         l_i = l_i * corr + tl.sum(p, axis=1)
-        vt = tl.load(v_ptr + rows[:, None] * s_vr + kvh * s_vh + d[None, :], mask=lm, other=0.0)
         if UPCAST:
             pv = tl.dot(p.to(DT).to(tl.float32), vt.to(tl.float32), input_precision="ieee")
         elif IEEE:
@@ -117,32 +117,52 @@ def _gated(o, g_ptrs, mask, DT: tl.constexpr):
 
 @triton.jit
 def _attn_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, gate_ptr, HQ, HD, NS, s_outl, s_gl, s_gh,
-                       NSP: tl.constexpr, BS: tl.constexpr, HDP: tl.constexpr, DT: tl.constexpr,
+                       BS: tl.constexpr, BD: tl.constexpr, ONE_PASS: tl.constexpr, DT: tl.constexpr,
                        GATE: tl.constexpr, GDC: tl.constexpr = False):
+    """out[l, h, BD dims] from the NS splits' (max, sum, partial output) of head h. ONE_PASS (NS <= BS): every
+    split's max, sum and partial dims loaded at once, one dependent round trip; else BS splits at a time after
+    a first pass for the max (a (splits x dims) tile would not fit in registers)."""
     pdl.started(GDC)
     pdl.wait(GDC)
     l = tl.program_id(0)
     h = tl.program_id(1)
-    base = (l * HQ + h) * NS
-    s = tl.arange(0, NSP)
-    m = tl.load(m_ptr + base + s, mask=s < NS, other=float("-inf"))
-    mx = tl.max(m, axis=0)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    d = tl.arange(0, HDP)
+    d = tl.program_id(2) * BD + tl.arange(0, BD)
     dm = d < HD
-    o = tl.zeros([HDP], tl.float32)
-    den = tl.zeros([BS], tl.float32)
-    for s0 in range(0, NS, BS):  # BS splits at a time: a (splits x hd) tile would not fit in registers
-        sb = s0 + tl.arange(0, BS)
+    base = (l * HQ + h) * NS
+    sb = tl.arange(0, BS)
+    if ONE_PASS:
         sm = sb < NS
-        wgt = tl.exp(tl.load(m_ptr + base + sb, mask=sm, other=float("-inf")) - mx)
-        den += wgt * tl.load(l_ptr + base + sb, mask=sm, other=0.0)
+        m = tl.load(m_ptr + base + sb, mask=sm, other=float("-inf"))
+        lsum = tl.load(l_ptr + base + sb, mask=sm, other=0.0)
         acc = tl.load(acc_ptr + (base + sb)[:, None] * HD + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
-        o += tl.sum(acc * wgt[:, None], axis=0)
-    o = o / tl.sum(den, axis=0)
+        mx = tl.max(m, axis=0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        wgt = tl.exp(m - mx)
+        o = tl.sum(acc * wgt[:, None], axis=0) / tl.sum(wgt * lsum, axis=0)
+    else:
+        mx = tl.full([BS], float("-inf"), tl.float32)
+        for s0 in range(0, NS, BS):
+            mx = tl.maximum(mx, tl.load(m_ptr + base + s0 + sb, mask=s0 + sb < NS, other=float("-inf")))
+        mx = tl.max(mx, axis=0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        o = tl.zeros([BD], tl.float32)
+        den = tl.zeros([BS], tl.float32)
+        for s0 in range(0, NS, BS):
+            sm = s0 + sb < NS
+            wgt = tl.exp(tl.load(m_ptr + base + s0 + sb, mask=sm, other=float("-inf")) - mx)
+            den += wgt * tl.load(l_ptr + base + s0 + sb, mask=sm, other=0.0)
+            acc = tl.load(acc_ptr + (base + s0 + sb)[:, None] * HD + d[None, :], mask=sm[:, None] & dm[None, :],
+                          other=0.0)
+            o += tl.sum(acc * wgt[:, None], axis=0)
+        o = o / tl.sum(den, axis=0)
     if GATE:
         o = _gated(o, gate_ptr + l * s_gl + h * s_gh + d, dm, DT)
     tl.store(out_ptr + l * s_outl + h * HD + d, o.to(DT), mask=dm)
+
+
+MERGE_TILE = 8192
+"""Elements (splits x dims) of one merge program's tile: the splits of a decode row at the real geometry (65)
+with 64 of a head's 256 dims, loaded in one round trip (4 programs per head)."""
 
 
 def sm_count(device: torch.device) -> int:
@@ -160,10 +180,12 @@ def attend_supported(q: torch.Tensor, state: QSAState) -> bool:
 
 
 def attend(q: torch.Tensor, state: QSAState, idx: torch.Tensor, ok: torch.Tensor, cfg: ModelConfig,
-           gate: torch.Tensor | None = None, split: int | None = None, block_w: int = 32) -> torch.Tensor:
+           gate: torch.Tensor | None = None, split: int | None = None, block_w: int = 32,
+           merge_tile: int = MERGE_TILE) -> torch.Tensor:
     """Softmax attention of q (L, Hq, hd) over cache rows `idx` (L, W) where `ok`, times sigmoid(gate (L, Hq,
     hd)) when given (applied at the store); (L, Hq*hd) in q's dtype. `split` is the number of keys per program
-    (a multiple of `block_w`; None picks one that fills the GPU)."""
+    (a multiple of `block_w`; None picks one that fills the GPU); `merge_tile` the merge programs' tile
+    (`MERGE_TILE`, a power of two)."""
     L, hq, hd = q.shape
     hkv = cfg.num_key_value_heads
     G = hq // hkv
@@ -198,9 +220,12 @@ def attend(q: torch.Tensor, state: QSAState, idx: torch.Tensor, ok: torch.Tensor
         IEEE=q.dtype == torch.float32 or not q.is_cuda, UPCAST=not q.is_cuda, DT=TL_DTYPES[q.dtype],
         GATE=gate is not None, **pdl.launch(dev))
     if not single:
-        _attn_merge_kernel[(L, hq)](m, lsum, acc, out, g, hq, hd, ns, out.stride(0), g.stride(0), g.stride(1),
-                                    NSP=triton.next_power_of_2(ns), BS=min(32, triton.next_power_of_2(ns)), HDP=HDP,
-                                    DT=TL_DTYPES[q.dtype], GATE=gate is not None, **pdl.launch(dev))
+        nsp = triton.next_power_of_2(ns)
+        bd = max(16, min(HDP, merge_tile // nsp))
+        bs = min(nsp, max(1, merge_tile // bd))
+        _attn_merge_kernel[(L, hq, triton.cdiv(hd, bd))](
+            m, lsum, acc, out, g, hq, hd, ns, out.stride(0), g.stride(0), g.stride(1), BS=bs, BD=bd,
+            ONE_PASS=bs >= ns, DT=TL_DTYPES[q.dtype], GATE=gate is not None, **pdl.launch(dev))
     return out
 
 

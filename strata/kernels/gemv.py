@@ -349,9 +349,9 @@ def _gemv_kernel(
     output row, out[0, rows] = sum over slots in order of round_fp32(sw[slot] * y[slot, rows]), by the same ticket
     scheme over the slots of a row tile: the routed experts' down projection and their weighted sum in one launch
     (`moe.slot_sum`'s sum, without its launch)."""
-    pdl.started(GDC)
-    if HAS_IDS:
+    if HAS_IDS:  # released after the wait: the ids are then settled for the next kernel (`gemv_experts_sum`)
         pdl.wait(GDC)
+    pdl.started(GDC)
     pid = tl.program_id(0)
     slot = tl.program_id(1).to(tl.int64)
     s = tl.program_id(2)
@@ -399,9 +399,9 @@ def _glu_kernel(
     rounded to it, act(g) computed in fp32 and rounded, the product (exact in fp32 for 16-bit inputs) rounded
     once more at the store; with an fp32 output every rounding is a no-op. GDC, SPLIT: as `_gemv_kernel` (the
     activation is applied to the summed splits)."""
-    pdl.started(GDC)
-    if HAS_IDS:
+    if HAS_IDS:  # released after the wait: the ids are then settled for the next kernel (`gemv_experts_sum`)
         pdl.wait(GDC)
+    pdl.started(GDC)
     pid = tl.program_id(0)
     slot = tl.program_id(1).to(tl.int64)
     s = tl.program_id(2)
@@ -660,16 +660,16 @@ def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | N
             n: int, k: int, slots: int, n_tok: int, w_slot_stride: int, x_slot_stride: int,
             out_slot_stride: int, block_n: int | None, num_warps: int | None,
             up: torch.Tensor | None = None, up_slot_stride: int = 0, act: str = "silu",
-            split_k: int | None = None, slot_weights: torch.Tensor | None = None) -> None:
+            split_k: int | None = None, slot_weights: torch.Tensor | None = None, ids_settled: bool = False) -> None:
     """One launch of the plain kernel, or of the GLU kernel when `up` is given (w is then the gate). With
     `slot_weights` (plain kernel, one token; the caller checked that tickets are left) the slots are summed into
-    out's one row."""
+    out's one row. `ids_settled`: see `gemv_experts_sum` (used by the row-register kernel)."""
     if n == 0 or slots == 0 or n_tok == 0:
         return
     if (block_n is None and num_warps is None
             and gemv_rr.covers(t.name, n_tok, w, up, (w_slot_stride, up_slot_stride))
             and _launch_rr(t, x, w, ids, out, n, k, slots, w_slot_stride, x_slot_stride, out_slot_stride, up,
-                           up_slot_stride, split_k, slot_weights)):
+                           up_slot_stride, split_k, slot_weights, ids_settled=ids_settled)):
         return
     if t.small_form is not None and _small(t, n_tok, n * slots):
         t = t.small_form
@@ -711,7 +711,8 @@ def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | N
 def _launch_rr(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None, out: torch.Tensor, n: int,
                k: int, slots: int, w_slot_stride: int, x_slot_stride: int, out_slot_stride: int,
                up: torch.Tensor | None, up_slot_stride: int, split_k: int | None,
-               slot_weights: torch.Tensor | None, shape: tuple[int, int, int, int] | None = None) -> bool:
+               slot_weights: torch.Tensor | None, shape: tuple[int, int, int, int] | None = None,
+               ids_settled: bool = False) -> bool:
     """One launch of the row-register kernel (`gemv_rr`) in its `launch_shape` (or `shape`; `split_k` overrides
     its K split, which is dropped where the row tiles outnumber the ticket counters): True, or False when a slot
     sum cannot have its tickets, for the generic kernel to run instead."""
@@ -740,7 +741,7 @@ def _launch_rr(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor 
         part = torch.empty(tiles * (slots if summed else slots * split) * br, dtype=torch.float32, device=w.device)
     gemv_rr.launch(t.name, x, w, ids, out, n, k, slots, w_slot_stride, x_slot_stride, out_slot_stride, up,
                    up_slot_stride, (br, sbc, warps, split), _split_sum, part, cnt, slot_weights,
-                   pdl.launch(x.device))
+                   pdl.launch(x.device), ids_early=ids_settled)
     return True
 
 
@@ -791,7 +792,7 @@ def gemv_experts(x: torch.Tensor, w_data: torch.Tensor, expert_ids: torch.Tensor
 def gemv_experts_sum(x: torch.Tensor, w_data: torch.Tensor, expert_ids: torch.Tensor, slot_weights: torch.Tensor,
                      type_id: int | str, K: int, out: torch.Tensor | None = None,
                      out_dtype: torch.dtype = torch.float32, *, block_n: int | None = None,
-                     num_warps: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, ids_settled: bool = False) -> torch.Tensor:
     """out[0] = sum_i slot_weights[i] * W[expert_ids[i]] x[i] (or x[0]): one token's routed-expert down projections
     and their weighted sum in one launch. Each product is accumulated in fp32 and weighted, the slots are added in
     order 0..k-1 and the sum rounded once to out's dtype (`moe.slot_sum` of `gemv_experts`' rows, but without
@@ -799,7 +800,13 @@ def gemv_experts_sum(x: torch.Tensor, w_data: torch.Tensor, expert_ids: torch.Te
     same bits.
 
     slot_weights: (k,) contiguous on the weights' device (any float dtype). out, out_dtype: (1, N). Where the
-    stream has no ticket counters left (`COUNTER_REGIONS`) it runs as `gemv_experts` then `slot_sum`."""
+    stream has no ticket counters left (`COUNTER_REGIONS`) it runs as `gemv_experts` then `slot_sum`.
+
+    ids_settled: the ids were written before the launch just before this one in the stream passed its PDL wait,
+    as when that launch is `gemv_experts_glu` over the same ids (every launch that reads expert ids lets the next
+    kernel be scheduled only after its wait, so the routing that wrote them is complete). The launch then reads
+    the ids and its first weights while that launch is still running (the row-register kernel; others ignore it).
+    Not for ids written by the launch just before."""
     t = gemv_type(type_id)
     w = _weights(t, w_data, K, 3)
     _check_x(x, K, w)
@@ -816,7 +823,7 @@ def gemv_experts_sum(x: torch.Tensor, w_data: torch.Tensor, expert_ids: torch.Te
         out.copy_(slot_sum(y, slot_weights[None], out.dtype))
         return out
     _launch(t, x, w, expert_ids, out, n, K, k_sel, 1, w.stride(0), x_slot_stride, 0, block_n, num_warps,
-            slot_weights=slot_weights)
+            slot_weights=slot_weights, ids_settled=ids_settled)
     return out
 
 

@@ -279,7 +279,8 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
                KIND: tl.constexpr, CHUNK_ELEMS: tl.constexpr, CHUNK_BYTES: tl.constexpr, NCH: tl.constexpr,
                SBC: tl.constexpr, BR: tl.constexpr, GLU: tl.constexpr,
                HAS_IDS: tl.constexpr, ASM: tl.constexpr, SPLIT_SUM: tl.constexpr, SPLIT: tl.constexpr = 1,
-               SLOT_SUM: tl.constexpr = 0, GDC: tl.constexpr = False):
+               SLOT_SUM: tl.constexpr = 0, IDS_EARLY: tl.constexpr = False, RELEASE_AT_WAIT: tl.constexpr = False,
+               GDC: tl.constexpr = False):
     """out[slot, rows] = W[slot's matrix][rows] . x[slot], or with GLU act(G . x) * (U . x), for one token.
 
     Program (i, slot, s): BR rows of the matrix of `slot` (expert ids[slot] when HAS_IDS), or with GLU BR / 2 rows
@@ -288,7 +289,9 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
     not stored. Byte strides; every row starts 16-byte aligned (the launcher checks). X_ROW_STRIDE is 0: x is
     addressed per tile row so its loads take the weight words' thread layout (one row per thread, so no load is
     repeated). With GDC (PDL) the first chunk's words are
-    in flight before the wait, unless the matrix depends on the expert ids.
+    in flight before the wait, unless the matrix depends on expert ids that the previous kernel may still be
+    waiting for: IDS_EARLY says they are settled (written before the previous kernel passed its own wait, see
+    `gemv.gemv_experts_sum`), so they are read from L2 and the first chunk loaded before the wait as well.
 
     SPLIT > 1: the SPLIT partial sums of a row tile are added in program order by the last program to finish
     (SPLIT_SUM, `gemv._split_sum`: ticket counters, no atomics on the sums). SLOT_SUM = k > 0 (no split): out[0,
@@ -298,13 +301,15 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
     PDL: the next kernel is let in only once every program is past its K loop (`pdl.started` there, not first):
     launched early, its programs would hold SM slots that this kernel's waves need (Q4_K_R 10240 x 2560 11.3 us
     without PDL, 15.8 with `started` first; H200)."""
-    if HAS_IDS:
+    if HAS_IDS and not IDS_EARLY:
         pdl.wait(GDC)
+        if RELEASE_AT_WAIT:
+            pdl.started(GDC)
     pid = tl.program_id(0)
     slot = tl.program_id(1).to(tl.int64)
     part = tl.program_id(2)
     if HAS_IDS:
-        mat = tl.load(ids_ptr + slot).to(tl.int64)
+        mat = tl.load(ids_ptr + slot, cache_modifier=".cg").to(tl.int64)
     else:
         mat = slot * 0
     r = tl.arange(0, BR)
@@ -321,14 +326,15 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
     xp = (x_ptr + slot * x_slot_stride + part * (NC * CHUNK_ELEMS) + r * X_ROW_STRIDE)[:, None, None, None]
     if KIND == "Q4_K_R" or KIND == "Q6_K_R":
         res = _super_block_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, NC, SBC, BR, ASM,
-                                GDC and not HAS_IDS, KIND == "Q6_K_R")
+                                GDC and (IDS_EARLY or not HAS_IDS), KIND == "Q6_K_R")
     elif KIND == "Q8_0_R":
         res = _q8_0_r_rows(rp, xp, tl.full([BR, SBC, 8, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
-                           GDC and not HAS_IDS)
+                           GDC and (IDS_EARLY or not HAS_IDS))
     else:
         res = _q5_1_r_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
-                           GDC and not HAS_IDS)
-    pdl.started(GDC)
+                           GDC and (IDS_EARLY or not HAS_IDS))
+    if not (RELEASE_AT_WAIT and HAS_IDS and not IDS_EARLY):
+        pdl.started(GDC)
     last = 1
     optr = out_ptr + slot * out_slot_stride
     if SLOT_SUM > 0:
@@ -375,6 +381,10 @@ def launch_shape(kind: str, n_chunks: int, tiles: int = 1 << 30) -> tuple[int, i
     return br, sbc, warps, split
 
 
+RELEASE_AT_WAIT = False
+"""Launches by expert ids let the next kernel be scheduled right after their wait instead of after their K loop
+(A/B runs: `tools/step_variants.py`)."""
+
 SPLIT_MIN_PROGRAMS = 2048
 """Programs below which `launch_shape` splits K (in halves, while each part keeps 4 chunks or more)."""
 
@@ -395,11 +405,13 @@ def covers(kind: str, n_tok: int, w: torch.Tensor, up: torch.Tensor | None = Non
 def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None, out: torch.Tensor, n: int,
            k: int, slots: int, w_slot_stride: int, x_slot_stride: int, out_slot_stride: int,
            up: torch.Tensor | None, up_slot_stride: int, shape: tuple[int, int, int, int], split_sum,
-           part: torch.Tensor, cnt: torch.Tensor, slot_weights: torch.Tensor | None, gdc: dict) -> None:
+           part: torch.Tensor, cnt: torch.Tensor, slot_weights: torch.Tensor | None, gdc: dict,
+           ids_early: bool = False) -> None:
     """One launch over `slots` matrices (by `ids` when given) of n rows of k weights, in `shape`
     (`launch_shape`); `up` makes it the GLU (w is then the gate); `slot_weights` sums the slots into out's one row.
     Strides in elements of each tensor (bytes for the weights). The caller (`gemv._launch`) checked `covers`
-    and gives the split-K scratch (`part`, `cnt`: tickets) and `gemv._split_sum`."""
+    and gives the split-K scratch (`part`, `cnt`: tickets) and `gemv._split_sum`; `ids_early`: the ids are
+    settled (`_rr_kernel`'s IDS_EARLY)."""
     br, sbc, warps, split = shape
     glu = up is not None
     u = up if glu else w
@@ -410,4 +422,5 @@ def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None
         out_slot_stride, _BASE[kind], 0, 1,
         KIND=kind, CHUNK_ELEMS=CHUNK[kind][0], CHUNK_BYTES=CHUNK[kind][1], NCH=k // CHUNK[kind][0], SBC=sbc, BR=br,
         GLU=glu, HAS_IDS=ids is not None, ASM=x.device.type == "cuda", SPLIT_SUM=split_sum, SPLIT=split,
-        SLOT_SUM=slots if slot_weights is not None else 0, num_warps=warps, **gdc)
+        SLOT_SUM=slots if slot_weights is not None else 0, IDS_EARLY=ids_early and ids is not None,
+        RELEASE_AT_WAIT=RELEASE_AT_WAIT, num_warps=warps, **gdc)

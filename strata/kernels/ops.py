@@ -48,6 +48,11 @@ at k = 10 is 5120). Each slot reads its expert's whole matrices, but slots are s
 from L2; the alternative, the reference's host loop over distinct experts, costs a few hundred dependent
 launches and host syncs per layer."""
 
+SETTLED_IDS = True
+"""One token's routed down projections read the expert ids and their first weights before their PDL wait (the
+GLU launch between them and the routing waited for it: `gemv_experts_sum`'s `ids_settled`); False for A/B runs
+(`tools/step_variants.py`)."""
+
 _FLOAT_X = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -178,7 +183,7 @@ def experts_blocks(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
         h = gemv_experts_glu(x, gate[0], up[0], ids, gate[1], h_dim, out_dtype=a.dtype)
         if n_tok == 1:  # one token (decode): the down projections and their weighted sum in one launch
             return gemv_experts_sum(h, down[0], ids, top_w.reshape(-1).contiguous(), down[1], i_dim,
-                                    out_dtype=a.dtype)
+                                    out_dtype=a.dtype, ids_settled=SETTLED_IDS)
         y = gemv_experts(h, down[0], ids, down[1], i_dim)
     else:
         g = gemv_experts(x, gate[0], ids, gate[1], h_dim)
