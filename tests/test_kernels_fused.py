@@ -73,8 +73,7 @@ class _NoLaunch:
 def test_gdn_step_one_launch_equals_two(monkeypatch, order, gate, dtype, K, block_v, heads):
     """The ticketed one-launch step (norm by the last program of each value head, q / k window shift by the
     last program of each key head) gives the two-launch path's bits: output, conv window and state, over
-    consecutive tokens (each window shift feeds the next conv); the ticket counters are back at zero. Every
-    other token reads its state as settled (before the PDL wait on a GPU): the same bits."""
+    consecutive tokens (each window shift feeds the next conv); the ticket counters are back at zero."""
     from strata.kernels import gemv
 
     cfg = config(output_gate_type=gate, linear_conv_kernel_dim=K, linear_num_key_heads=heads[0],
@@ -87,14 +86,14 @@ def test_gdn_step_one_launch_equals_two(monkeypatch, order, gate, dtype, K, bloc
     one = GDNState(rnd(C, K - 1).to(dtype), rnd(nv, dk, dv))
     two = one.clone()
     cnt = gemv.tickets(torch.device("cpu"))
-    for step in range(4):
+    for _ in range(4):
         x, z, b, a = (t.to(dtype) for t in (rnd(1, C), rnd(1, nv * dv), rnd(1, nv), rnd(1, nv) * 4))
         with monkeypatch.context() as m:
             m.setattr(gdn, "tickets", lambda device: None)
             want = gdn.gdn_step(x, z, b, a, prm, two, cfg, block_v=block_v)
         with monkeypatch.context() as m:
             m.setattr(gdn, "_gdn_out_kernel", _NoLaunch())
-            got = gdn.gdn_step(x, z, b, a, prm, one, cfg, block_v=block_v, state_settled=step % 2 == 1)
+            got = gdn.gdn_step(x, z, b, a, prm, one, cfg, block_v=block_v)
         assert torch.equal(got, want)
         assert torch.equal(one.conv, two.conv)
         assert torch.equal(one.recurrent, two.recurrent)

@@ -16,7 +16,6 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   route:removed              the MoE routing's launch left out of the graph (ids and weights from the warm-up)
   release:at-wait            launches by expert ids let the next kernel in right after their wait
                              (`gemv_rr.RELEASE_AT_WAIT`)
-  gdn-state:after-wait       the GDN step reads its state after its PDL wait (`gdn.STATE_SETTLED_IN_STEP`)
   ids-early:off              the routed down projections read the expert ids after their PDL wait
                              (`ops.SETTLED_IDS`)
   select:ranked:ROWS:CHUNK   the ranked selection with these knobs (`select.select_blocks_ranked`)
@@ -41,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from strata.kernels import attention, gdn, gemv_rr, hyper, moe, pdl  # noqa: E402
+from strata.kernels import attention, gemv_rr, hyper, moe, pdl  # noqa: E402
 from strata.kernels import ops as kernel_ops  # noqa: E402
 from strata.model.model import Model  # noqa: E402
 from strata.runtime import bench  # noqa: E402
@@ -51,8 +50,7 @@ from strata.runtime.synthetic import TypeMix, real_config, synthetic_weights  # 
 BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attention.select_blocks_ranked,
         "RANK_SELECT_MAX_BLOCKS": attention.RANK_SELECT_MAX_BLOCKS, "attend": attention.attend,
         "hc_read_defaults": hyper.hc_read_defaults, "launch_shape": gemv_rr.launch_shape,
-        "SETTLED_IDS": kernel_ops.SETTLED_IDS, "RELEASE_AT_WAIT": gemv_rr.RELEASE_AT_WAIT,
-        "STATE_SETTLED_IN_STEP": gdn.STATE_SETTLED_IN_STEP}
+        "SETTLED_IDS": kernel_ops.SETTLED_IDS, "RELEASE_AT_WAIT": gemv_rr.RELEASE_AT_WAIT}
 
 
 def _frozen_select(scores, positions, k, c, *a, **kw):
@@ -98,7 +96,6 @@ def apply(variant: str) -> dict:
     gemv_rr.launch_shape = BASE["launch_shape"]
     kernel_ops.SETTLED_IDS = BASE["SETTLED_IDS"]
     gemv_rr.RELEASE_AT_WAIT = BASE["RELEASE_AT_WAIT"]
-    gdn.STATE_SETTLED_IN_STEP = BASE["STATE_SETTLED_IN_STEP"]
     swaps = {}
     for part in variant.split("+"):
         swaps.update(_apply_one(part))
@@ -111,9 +108,7 @@ def _apply_one(variant: str) -> dict:
         return {}
     if name == "route" and args == ["removed"]:
         return {"route": _frozen_route}
-    if name == "gdn-state" and args == ["after-wait"]:
-        gdn.STATE_SETTLED_IN_STEP = False
-    elif name == "release" and args == ["at-wait"]:
+    if name == "release" and args == ["at-wait"]:
         gemv_rr.RELEASE_AT_WAIT = True
     elif name == "ids-early" and args == ["off"]:
         kernel_ops.SETTLED_IDS = False

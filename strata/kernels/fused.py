@@ -44,9 +44,7 @@ def fused_ops(base: Ops, force: bool = False) -> Ops:
     # name -> (kernel, supported); both take the entry's arguments (the cases each kernel covers: one token for
     # GDN, the HC read with dense weights and the PLE mix, a few queries/tokens for the rest)
     table: dict[str, tuple[Callable, Callable]] = {
-        # a model step runs a layer's routed experts between two of its GDN steps: the state is settled
-        "gdn_core": (lambda *a: gdn.gdn_step(*a, state_settled=gdn.STATE_SETTLED_IN_STEP),
-                     lambda x, z, b, a, prm, state, cfg: gdn.supported(x, state, cfg)),
+        "gdn_core": (gdn.gdn_step, lambda x, z, b, a, prm, state, cfg: gdn.supported(x, state, cfg)),
         "attend": (attention.attend, lambda q, state, *_: attention.attend_supported(q, state)),
         "hc_read": (lambda *a: hyper.hc_read(*a[:7]),  # the kernel needs no `linear`
                     lambda x, n, down, up, inj, *_: hyper.supported(x, down, up, inj)),

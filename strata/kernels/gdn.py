@@ -47,29 +47,17 @@ from strata.runtime.state import GDNState
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
-STATE_SETTLED_IN_STEP = True
-"""Whether the op table's GDN entry (`fused.fused_ops`, a model's decode step) reads the state before the PDL
-wait (`gdn_step`'s `state_settled`); False for A/B runs (`tools/step_variants.py`)."""
-
 
 @triton.jit
-def _conv_inputs(win_ptr, w_ptr, ch, cmask, K: tl.constexpr, KP: tl.constexpr):
-    """The conv taps (fp32 [C, KP]) of channels `ch` and their old window in the first K - 1 taps (fp32; read
-    past L1, as every load of the state here: the previous step's launch wrote it)."""
+def _conv_act(x_ptr, win_ptr, w_ptr, ch, cmask, K: tl.constexpr, KP: tl.constexpr, SILU: tl.constexpr,
+              DT: tl.constexpr):
+    """Causal depthwise conv of channels `ch` over [old window | x], activation; fp32 values that went
+    through the same model-dtype roundings as the reference (conv output, then activation output)."""
     taps = tl.arange(0, KP)
     w = tl.load(w_ptr + ch[:, None] * K + taps[None, :], mask=cmask[:, None] & (taps[None, :] < K),
                 other=0.0).to(tl.float32)
-    h = tl.load(win_ptr + ch[:, None] * (K - 1) + taps[None, :], mask=cmask[:, None] & (taps[None, :] < K - 1),
-                other=0.0, cache_modifier=".cg").to(tl.float32)
-    return w, h
-
-
-@triton.jit
-def _conv_act(x_ptr, w, h, ch, cmask, K: tl.constexpr, KP: tl.constexpr, SILU: tl.constexpr, DT: tl.constexpr):
-    """Causal depthwise conv of channels `ch` over [old window | x] (`_conv_inputs`' w, h), activation; fp32
-    values that went through the same model-dtype roundings as the reference (conv output, then activation
-    output)."""
-    taps = tl.arange(0, KP)
+    h = tl.load(win_ptr + ch[:, None] * (K - 1) + taps[None, :],
+                mask=cmask[:, None] & (taps[None, :] < K - 1), other=0.0).to(tl.float32)
     xv = tl.load(x_ptr + ch, mask=cmask, other=0.0).to(tl.float32)
     h = tl.where(taps[None, :] == K - 1, xv[:, None], h)
     u = tl.sum(w * h, axis=1).to(DT).to(tl.float32)
@@ -81,21 +69,14 @@ def _conv_act(x_ptr, w, h, ch, cmask, K: tl.constexpr, KP: tl.constexpr, SILU: t
 
 
 @triton.jit
-def _window_old(win_ptr, ch, n, K: tl.constexpr, KP: tl.constexpr):
-    """Taps 1 .. K - 2 of the old window of channels `ch` (those with ch < n), moved to taps 0 .. K - 3: the
-    next window without its last tap (`_window_next`). Call it before anyone shifts the window."""
-    taps = tl.arange(0, KP)
-    return tl.load(win_ptr + ch[:, None] * (K - 1) + taps[None, :] + 1,
-                   mask=(ch[:, None] < n) & (taps[None, :] < K - 2), other=0.0, cache_modifier=".cg")
-
-
-@triton.jit
-def _window_next(x_ptr, old, ch, n, K: tl.constexpr, KP: tl.constexpr):
+def _window_next(x_ptr, win_ptr, ch, n, K: tl.constexpr, KP: tl.constexpr):
     """The conv window of channels `ch` (those with ch < n) after this token, in the window's dtype: new tap
-    t = old tap t + 1 (`_window_old`), the last tap = x."""
+    t = old tap t + 1, the last tap = x. A load of the *old* window: call it before anyone shifts it."""
     taps = tl.arange(0, KP)
-    xv = tl.load(x_ptr + ch, mask=ch < n, other=0.0).to(old.dtype)
-    return tl.where(taps[None, :] == K - 2, xv[:, None], old)
+    nxt = tl.load(win_ptr + ch[:, None] * (K - 1) + taps[None, :] + 1,
+                  mask=(ch[:, None] < n) & (taps[None, :] < K - 2), other=0.0)
+    xv = tl.load(x_ptr + ch, mask=ch < n, other=0.0).to(win_ptr.dtype.element_ty)
+    return tl.where(taps[None, :] == K - 2, xv[:, None], nxt)
 
 
 @triton.jit
@@ -133,17 +114,11 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
                      NK, NV, DK, DV, KEY_DIM, REP, NVB, q_scale, eps,
                      K: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr,
                      TILED: tl.constexpr, SILU: tl.constexpr, SILU_GATE: tl.constexpr, DT: tl.constexpr,
-                     FUSED: tl.constexpr, SETTLED: tl.constexpr = False, GDC: tl.constexpr = False):
+                     FUSED: tl.constexpr, GDC: tl.constexpr = False):
     """The step of one (dk, BV) state slab; with FUSED also the gated norm and the conv window shift (tickets
-    in cnt: NV value-head counters, then NK key-head counters), else `_gdn_out_kernel` does those.
-
-    SETTLED: the state (recurrent slab and conv window) is loaded before the PDL wait, with the stored
-    parameters, while the kernel before this one still runs. Only the previous step's launch of this kernel
-    (or the out kernel) writes that state, so this holds when a launch that lets the next kernel in only after
-    its own wait lies between the two (`gdn_step`)."""
+    in cnt: NV value-head counters, then NK key-head counters), else `_gdn_out_kernel` does those."""
     pdl.started(GDC)
-    if not SETTLED:
-        pdl.wait(GDC)
+    pdl.wait(GDC)
     j = tl.program_id(0)  # value head
     vb = tl.program_id(1)  # dv block
     if TILED:
@@ -154,42 +129,27 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
     im = i < DK
     vcol = vb * BV + tl.arange(0, BV)
     vm = vcol < DV
-    qch = kh * DK + i
-    kch = KEY_DIM + kh * DK + i
-    vch = 2 * KEY_DIM + j * DV + vcol
-    wq, hq = _conv_inputs(win_ptr, convw_ptr, qch, im, K, KP)
-    wk, hk = _conv_inputs(win_ptr, convw_ptr, kch, im, K, KP)
-    wv, hv = _conv_inputs(win_ptr, convw_ptr, vch, vm, K, KP)
-    if FUSED:  # the next window, loaded while the old one is intact (channel bounds as masks: see _window_old)
-        qo = _window_old(win_ptr, qch, kh * DK + DK, K, KP)
-        ko = _window_old(win_ptr, kch, KEY_DIM + kh * DK + DK, K, KP)
-        vo = _window_old(win_ptr, vch, 2 * KEY_DIM + j * DV + DV, K, KP)
-    sp_ptrs = S_ptr + j * DK * DV + i[:, None] * DV + vcol[None, :]
-    smask = im[:, None] & vm[None, :]
-    S = tl.load(sp_ptrs, mask=smask, other=0.0, cache_modifier=".cg")
-    a_log = tl.load(A_ptr + j)
-    dtb = tl.load(dtb_ptr + j)
-    if SETTLED:
-        pdl.wait(GDC)
 
-    q = _conv_act(x_ptr, wq, hq, qch, im, K, KP, SILU, DT)
-    k = _conv_act(x_ptr, wk, hk, kch, im, K, KP, SILU, DT)
-    v = _conv_act(x_ptr, wv, hv, vch, vm, K, KP, SILU, DT)
-    if FUSED:
-        qn = _window_next(x_ptr, qo, qch, kh * DK + DK, K, KP)
-        kn = _window_next(x_ptr, ko, kch, KEY_DIM + kh * DK + DK, K, KP)
-        vn = _window_next(x_ptr, vo, vch, 2 * KEY_DIM + j * DV + DV, K, KP)
+    q = _conv_act(x_ptr, win_ptr, convw_ptr, kh * DK + i, im, K, KP, SILU, DT)
+    k = _conv_act(x_ptr, win_ptr, convw_ptr, KEY_DIM + kh * DK + i, im, K, KP, SILU, DT)
+    v = _conv_act(x_ptr, win_ptr, convw_ptr, 2 * KEY_DIM + j * DV + vcol, vm, K, KP, SILU, DT)
+    if FUSED:  # the next window, loaded while the old one is intact (channel bounds as masks: see _window_next)
+        qn = _window_next(x_ptr, win_ptr, kh * DK + i, kh * DK + DK, K, KP)
+        kn = _window_next(x_ptr, win_ptr, KEY_DIM + kh * DK + i, KEY_DIM + kh * DK + DK, K, KP)
+        vn = _window_next(x_ptr, win_ptr, 2 * KEY_DIM + j * DV + vcol, 2 * KEY_DIM + j * DV + DV, K, KP)
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
 
     # gates: beta in the model dtype, g in fp32 (softplus with PyTorch's threshold of 20)
     beta = tl.sigmoid(tl.load(b_ptr + j).to(tl.float32)).to(DT).to(tl.float32)
-    sp_in = tl.load(alpha_ptr + j).to(tl.float32) + dtb
+    sp_in = tl.load(alpha_ptr + j).to(tl.float32) + tl.load(dtb_ptr + j)
     sp = tl.where(sp_in > 20.0, sp_in, tl.log(1.0 + tl.exp(tl.minimum(sp_in, 20.0))))
     sp = tl.where(sp_in < -15.0, tl.exp(sp_in), sp)  # log1p(e) for tiny e, where log(1 + e) rounds to 0
-    decay = tl.exp(a_log * sp)
+    decay = tl.exp(tl.load(A_ptr + j) * sp)
 
-    S = S * decay
+    sp_ptrs = S_ptr + j * DK * DV + i[:, None] * DV + vcol[None, :]
+    smask = im[:, None] & vm[None, :]
+    S = tl.load(sp_ptrs, mask=smask, other=0.0) * decay
     r = tl.sum(S * k[:, None], axis=0)
     delta = (v - r) * beta
     S = S + k[:, None] * delta[None, :]
@@ -201,14 +161,14 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
         # every thread of this program has read the old window and stored its o before any ticket is drawn
         # and before this program's value channels are overwritten (they are read by no other program)
         tl.debug_barrier()
-        _window_store(win_ptr, vch, 2 * KEY_DIM + j * DV + DV, vn, K, KP)
+        _window_store(win_ptr, 2 * KEY_DIM + j * DV + vcol, 2 * KEY_DIM + j * DV + DV, vn, K, KP)
 
         # q / k window of key head kh: shifted by the last of its REP * NVB readers (masks are bounds, not
         # boolean ands: the interpreter rejects the latter)
         kcnt = cnt_ptr + NV + kh
         klast = tl.where(tl.atomic_add(kcnt, 1, sem="acq_rel", scope="gpu") == REP * NVB - 1, 1, 0)
-        _window_store(win_ptr, qch, kh * DK + DK * klast, qn, K, KP)
-        _window_store(win_ptr, kch, KEY_DIM + kh * DK + DK * klast, kn, K, KP)
+        _window_store(win_ptr, kh * DK + i, kh * DK + DK * klast, qn, K, KP)
+        _window_store(win_ptr, KEY_DIM + kh * DK + i, KEY_DIM + kh * DK + DK * klast, kn, K, KP)
         tl.atomic_add(kcnt, -REP * NVB * klast, sem="relaxed", scope="gpu")  # back to 0 for the next launch
 
         # gated norm of value head j by the last of its NVB programs
@@ -233,7 +193,7 @@ def _gdn_out_kernel(o_ptr, z_ptr, nw_ptr, out_ptr, x_ptr, win_ptr, DV, C, CH_PER
     end = tl.minimum(j * CH_PER + CH_PER, C)
     for c0 in range(0, CH_PER, BC):
         ch = j * CH_PER + c0 + tl.arange(0, BC)
-        nxt = _window_next(x_ptr, _window_old(win_ptr, ch, end, K, KP), ch, end, K, KP)
+        nxt = _window_next(x_ptr, win_ptr, ch, end, K, KP)
         tl.debug_barrier()  # every thread has read this chunk's old taps before any is overwritten
         _window_store(win_ptr, ch, end, nxt, K, KP)
 
@@ -246,14 +206,9 @@ def supported(x: torch.Tensor, state: GDNState, cfg: ModelConfig) -> bool:
 
 
 def gdn_step(x: torch.Tensor, z: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, prm: GDNParams,
-             state: GDNState, cfg: ModelConfig, block_v: int = 32, *, state_settled: bool = False) -> torch.Tensor:
+             state: GDNState, cfg: ModelConfig, block_v: int = 32) -> torch.Tensor:
     """One-token GDN core: x (1, C), z (1, nv*dv), b / alpha (1, nv) -> (1, nv*dv) in x's dtype; updates
-    `state.conv` and `state.recurrent` in place. `block_v` is the dv slab per program (a tuning knob).
-
-    state_settled: the launch that last wrote `state` is complete by the time this one is scheduled, so the
-    kernel reads the state before its PDL wait. True in a model's decode step, where a layer's steps are
-    separated by its routed experts' GLU, a launch that lets the next kernel in only after its wait (`pdl`);
-    not for two calls in a row on one state."""
+    `state.conv` and `state.recurrent` in place. `block_v` is the dv slab per program (a tuning knob)."""
     dt = x.dtype
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -280,7 +235,7 @@ def gdn_step(x: torch.Tensor, z: torch.Tensor, b: torch.Tensor, alpha: torch.Ten
         nk, nv, dk, dv, cfg.gdn_key_dim, nv // nk, nvb, dk ** -0.5, cfg.rms_norm_eps,
         K=K, KP=triton.next_power_of_2(K), BK=triton.next_power_of_2(dk), BV=bv, BD=bd,
         TILED=prm.value_order == "tiled", SILU=cfg.hidden_act == "silu", SILU_GATE=silu_gate, DT=TL_DTYPES[dt],
-        FUSED=cnt is not None, SETTLED=state_settled, **pdl.launch(x.device))
+        FUSED=cnt is not None, **pdl.launch(x.device))
     if cnt is None:  # no ticket counters on this stream: the norm and shift in a second launch
         ch_per = triton.cdiv(C, nv)
         _gdn_out_kernel[(nv,)](
