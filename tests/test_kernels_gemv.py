@@ -430,6 +430,35 @@ def test_gpu_layout_stores_q6_k_matrices_as_q6_k_r(monkeypatch) -> None:
     assert torch.allclose(K_OPS.linear_triton(x, placed, None), linear_ref(x, head, None), rtol=1e-5, atol=1e-6)
 
 
+def test_in_model_dtype_stores_the_router_as_the_reference_rounds_it(tmp_path, monkeypatch) -> None:
+    """For a 16-bit model the GPU placement stores the float32 router and shared-expert gate in the model dtype,
+    back to back (one GEMV): the values `linear_ref` rounds them to at every call, so the group's outputs equal
+    the reference's products with the stored float32 weights; a float32 model, and other float32 tensors, keep
+    what is stored."""
+    from strata.weights.hf import load_hf
+    from tests import reference
+
+    weights = load_hf(reference.save(reference.build("tiny"), tmp_path))
+    names = ("L0.moe.router", "L0.moe.sh_gate_inp")
+    assert all(weights[n].tensor.dtype == torch.float32 for n in names)
+    assert placement.in_model_dtype(weights, torch.float32) is weights
+    placed = placement.in_model_dtype(weights, torch.bfloat16)
+    for n in names:
+        assert placed[n].tensor.dtype == torch.bfloat16
+        assert torch.equal(placed[n].tensor, weights[n].dense(torch.bfloat16))
+    assert K_OPS.adjacent_span([placed[n].tensor for n in names]) is not None
+    other = next(n for n, t in weights.tensors.items() if isinstance(t, DenseTensor) and not n.endswith(
+        placement.MODEL_DTYPE_MATRICES) and t.tensor.dtype == torch.float32)
+    assert placed[other] is weights[other]
+    monkeypatch.setattr(K_OPS, "_on_gpu", lambda x: True)
+    x = torch.randn(1, weights.cfg.hidden_size, generator=torch.Generator().manual_seed(15)).to(torch.bfloat16)
+    ws = [weights[n] for n in names]
+    outs = K_OPS.linears_triton(x, [placed[n] for n in names], [None, None], K_OPS.linear_triton)
+    for got, want in zip(outs, linears_ref(x, ws, [None, None], linear_ref), strict=True):
+        assert got.dtype == torch.bfloat16
+        assert (got.float() - want.float()).abs().max() <= 2 ** -8 * want.float().abs().max()
+
+
 def test_linears_triton_runs_a_fused_group_as_one_gemv(monkeypatch) -> None:
     rng = np.random.default_rng(10)
     parts = [QuantTensor(n, random_blocks("Q4_K", r, 512, rng), 12, (r, 512)) for n, r in (("q", 10), ("k", 4),

@@ -22,7 +22,7 @@ from strata.kernels import pdl  # noqa: E402
 from strata.model.model import Model  # noqa: E402
 from strata.runtime.bench import fill_state  # noqa: E402
 from strata.runtime.graph import DecodeStep  # noqa: E402
-from strata.runtime.placement import fast_ops, fuse_groups  # noqa: E402
+from strata.runtime.placement import fast_ops, gpu_layout  # noqa: E402
 from strata.runtime.synthetic import TypeMix, real_config, synthetic_weights  # noqa: E402
 
 
@@ -47,7 +47,7 @@ def main() -> int:
     args = ap.parse_args()
     dev = torch.device("cuda")
     cfg = real_config(num_hidden_layers=args.layers, layer_types=None)
-    w = fuse_groups(synthetic_weights(cfg, TypeMix(), dev), repack=True)
+    w = gpu_layout(synthetic_weights(cfg, TypeMix(), dev), inplace=True, dtype=torch.bfloat16)  # as placed
     model = Model(w, torch.bfloat16, dev, fast_ops())
     with pdl.enabled(False):
         plain = run_tokens(model, args.context, args.tokens, capture=True)

@@ -16,6 +16,9 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   route:removed              the MoE routing's launch left out of the graph (ids and weights from the warm-up)
   release:at-wait            launches by expert ids let the next kernel in right after their wait
                              (`gemv_rr.RELEASE_AT_WAIT`)
+  gdn:BV                     the GDN step with BV value columns per program (`gdn.gdn_step`'s block_v)
+  router:f32                 the router group stored in float32 as the GGUF stores it (not in the model dtype:
+                             `placement.in_model_dtype`)
   ids-early:off              the routed down projections read the expert ids after their PDL wait
                              (`ops.SETTLED_IDS`)
   select:ranked:ROWS:CHUNK   the ranked selection with these knobs (`select.select_blocks_ranked`)
@@ -40,17 +43,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from strata.kernels import attention, gemv_rr, hyper, moe, pdl  # noqa: E402
+from strata.kernels import attention, gdn, gemv_rr, hyper, moe, pdl  # noqa: E402
 from strata.kernels import ops as kernel_ops  # noqa: E402
 from strata.model.model import Model  # noqa: E402
 from strata.runtime import bench  # noqa: E402
-from strata.runtime.placement import fast_ops, gpu_layout  # noqa: E402
+from strata.runtime.placement import fast_ops, gpu_layout, in_model_dtype  # noqa: E402
 from strata.runtime.synthetic import TypeMix, real_config, synthetic_weights  # noqa: E402
 
 BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attention.select_blocks_ranked,
         "RANK_SELECT_MAX_BLOCKS": attention.RANK_SELECT_MAX_BLOCKS, "attend": attention.attend,
         "hc_read_defaults": hyper.hc_read_defaults, "launch_shape": gemv_rr.launch_shape,
-        "SETTLED_IDS": kernel_ops.SETTLED_IDS, "RELEASE_AT_WAIT": gemv_rr.RELEASE_AT_WAIT}
+        "SETTLED_IDS": kernel_ops.SETTLED_IDS, "RELEASE_AT_WAIT": gemv_rr.RELEASE_AT_WAIT,
+        "gdn_step": gdn.gdn_step}
 
 
 def _frozen_select(scores, positions, k, c, *a, **kw):
@@ -96,6 +100,7 @@ def apply(variant: str) -> dict:
     gemv_rr.launch_shape = BASE["launch_shape"]
     kernel_ops.SETTLED_IDS = BASE["SETTLED_IDS"]
     gemv_rr.RELEASE_AT_WAIT = BASE["RELEASE_AT_WAIT"]
+    gdn.gdn_step = BASE["gdn_step"]
     swaps = {}
     for part in variant.split("+"):
         swaps.update(_apply_one(part))
@@ -108,7 +113,11 @@ def _apply_one(variant: str) -> dict:
         return {}
     if name == "route" and args == ["removed"]:
         return {"route": _frozen_route}
-    if name == "release" and args == ["at-wait"]:
+    if name == "gdn" and len(args) == 1:
+        gdn.gdn_step = functools.partial(BASE["gdn_step"], block_v=int(args[0]))
+    elif name == "router" and args == ["f32"]:
+        return {"weights": "f32"}
+    elif name == "release" and args == ["at-wait"]:
         gemv_rr.RELEASE_AT_WAIT = True
     elif name == "ids-early" and args == ["off"]:
         kernel_ops.SETTLED_IDS = False
@@ -146,14 +155,16 @@ def main() -> int:
     dev = torch.device("cuda")
     pdl.set_enabled(True)
     bw = bench.copy_bandwidth(dev)
-    w = gpu_layout(synthetic_weights(real_config(), TypeMix(), dev), inplace=True)
+    w32 = gpu_layout(synthetic_weights(real_config(), TypeMix(), dev), inplace=True)  # the router group as stored
+    w = in_model_dtype(w32, torch.bfloat16)  # as placement stores it for a bfloat16 model
     floor_ms = bench.token_bytes(w, args.context)["total"] / bw * 1e3
     report = {"commit": args.commit or bench.git_commit(), "gpu": torch.cuda.get_device_name(dev),
               "context": args.context, "floor_ms": floor_ms, "rows": []}
     print(f"{'variant':<34}{'replay ms':>10}{'ms/token':>10}{'GDN us':>8}{'QSA us':>8}", flush=True)
     for variant in args.variants:
         swaps = apply(variant)
-        model = Model(w, torch.bfloat16, dev, dataclasses.replace(fast_ops(streams=True), **swaps))
+        weights = w32 if swaps.pop("weights", None) == "f32" else w
+        model = Model(weights, torch.bfloat16, dev, dataclasses.replace(fast_ops(streams=True), **swaps))
         t0 = time.perf_counter()
         r = bench.bench_decode(model, args.context, args.tokens, 3, stage_table=False, profile=True,
                                timeline=True)

@@ -69,12 +69,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s", file=sys.stderr)
     mix = TypeMix()
     if args.model:
-        weights = place(load_weights(args.model), dev)
+        weights = place(load_weights(args.model), dev, torch.bfloat16)
         mix_text = "as stored in " + args.model
     else:
         cfg = real_config() if args.layers is None else real_config(
             num_hidden_layers=args.layers, layer_types=None)
-        weights = gpu_layout(synthetic_weights(cfg, mix, dev), inplace=True)  # as GPU placement stores them
+        # as GPU placement stores them for a bfloat16 model
+        weights = gpu_layout(synthetic_weights(cfg, mix, dev), inplace=True, dtype=torch.bfloat16)
         mix_text = mix.describe()
     from strata.model.model import Model
 

@@ -58,15 +58,15 @@ class Engine:
         if context is not None and context < 1:
             raise StrataError(f"context must be a positive number of positions, got {context}")
         self.context = min(context or DEFAULT_CONTEXT, weights.cfg.max_position_embeddings)
+        self.dtype = resolve_dtype(dtype)
         if self.device.type == "cuda":
             from strata.runtime.placement import fast_ops, place
 
-            weights = place(weights, self.device)
+            weights = place(weights, self.device, self.dtype)
             ops = ops or fast_ops()
         self.weights = weights
         self.cfg = weights.cfg
         self.path = path
-        self.dtype = resolve_dtype(dtype)
         self.model = Model(weights, self.dtype, self.device, ops)
 
     @classmethod

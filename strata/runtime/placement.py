@@ -43,6 +43,35 @@ shape the routed gate/up GLU 19.5 -> 13.7 us and the down projections with their
 per layer (H200, bench/results/2026-12-04-h200-gemv-rr-lab-*.json)."""
 
 
+MODEL_DTYPE_MATRICES = ("moe.router", "moe.sh_gate_inp")
+"""Float32-stored matrices (GGUF keeps the router in F32) that a GPU stores in the model's dtype when that is a
+16-bit one (`in_model_dtype`): `linear_ref` rounds them to it at every call (`w.dense(x.dtype)`), so the stored
+copy holds the very values the reference multiplies with, in half the bytes."""
+
+
+def in_model_dtype(w: Weights, dtype: torch.dtype | None) -> Weights:
+    """The weight set with its float32 MODEL_DTYPE_MATRICES in `dtype` (rounded as `DenseTensor.dense` rounds)
+    when that is float16 or bfloat16, each fused group they belong to stored back to back again (`fuse_rows`);
+    else w itself."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return w
+    tensors = dict(w.tensors)
+    changed = False
+    for name, t in w.tensors.items():
+        if (name.endswith(MODEL_DTYPE_MATRICES) and isinstance(t, DenseTensor) and len(t.shape) == 2
+                and t.tensor.dtype == torch.float32):
+            tensors[name] = DenseTensor(t.name, t.dense(dtype))
+            changed = True
+    if not changed:
+        return w
+    for i in range(w.cfg.num_hidden_layers):
+        for group in FUSED_GROUPS:
+            names = [f"L{i}.{n}" for n in group]
+            if any(n.endswith(MODEL_DTYPE_MATRICES) for n in names) and all(n in tensors for n in names):
+                tensors.update(zip(names, fuse_rows([tensors[n] for n in names]), strict=True))
+    return Weights(w.cfg, tensors, w.gdn_value_order, w.source, w.unknown)
+
+
 def fuse_rows(parts: list[StoredTensor], repack: bool = False) -> list[StoredTensor]:
     """The parts re-made as row views of one new buffer, in order, when they share storage type, row width and
     device (else unchanged). Same values: only their placement in memory changes, and with `repack` (the GPU
@@ -66,9 +95,9 @@ def fuse_rows(parts: list[StoredTensor], repack: bool = False) -> list[StoredTen
     return out
 
 
-def place(w: Weights, device: torch.device | str) -> Weights:
+def place(w: Weights, device: torch.device | str, dtype: torch.dtype | None = None) -> Weights:
     """The weight set with every tensor but the host-resident ones moved to `device` (expert stacks kept as
-    per-expert parts become one stack there)."""
+    per-expert parts become one stack there), in the layouts of `gpu_layout` for a model run in `dtype`."""
     device = torch.device(device)
     if device.type == "cpu":
         return w
@@ -81,21 +110,23 @@ def place(w: Weights, device: torch.device | str) -> Weights:
             moved[name] = DenseTensor(name, torch.stack([p.tensor.to(device) for p in t.parts]))
         else:
             moved[name] = t.to(device)
-    return gpu_layout(Weights(w.cfg, moved, w.gdn_value_order, w.source, w.unknown), inplace=True)
+    return gpu_layout(Weights(w.cfg, moved, w.gdn_value_order, w.source, w.unknown), inplace=True, dtype=dtype)
 
 
-def gpu_layout(w: Weights, inplace: bool = False) -> Weights:
+def gpu_layout(w: Weights, inplace: bool = False, dtype: torch.dtype | None = None) -> Weights:
     """The weight set in the layouts GPU placement stores (the tensors where they are): expert stacks and 2-D Q8_0
     and Q6_K matrices word-ordered but the host-resident ones (`word_ordered`), the FUSED_GROUPS back to back
     and repacked (`fuse_groups`). `place` ends with it, and the
     benchmark's synthetic model goes through it, so both run the same kernels on the same layouts. With
     `inplace`, w's tensors are replaced one by one, so each old layout is freed as its new one is made (a model
-    of more than half the device's memory fits); w is then spent."""
+    of more than half the device's memory fits); w is then spent. For a model run in `dtype` (None: as stored)
+    the MODEL_DTYPE_MATRICES are stored in it (`in_model_dtype`)."""
     tensors = w.tensors if inplace else dict(w.tensors)
     for name in list(tensors):
         if not name.endswith(HOST_RESIDENT):
             tensors[name] = word_ordered(name, tensors[name])
-    return fuse_groups(Weights(w.cfg, tensors, w.gdn_value_order, w.source, w.unknown), repack=True)
+    w = Weights(w.cfg, tensors, w.gdn_value_order, w.source, w.unknown)
+    return fuse_groups(in_model_dtype(w, dtype), repack=True)
 
 
 def word_ordered(name: str, t: StoredTensor) -> StoredTensor:
