@@ -300,7 +300,8 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
 
     PDL: the next kernel is let in only once every program is past its K loop (`pdl.started` there, not first):
     launched early, its programs would hold SM slots that this kernel's waves need (Q4_K_R 10240 x 2560 11.3 us
-    without PDL, 15.8 with `started` first; H200)."""
+    without PDL, 15.8 with `started` first; H200). Launches by expert ids that wait first let it in right after
+    their wait with RELEASE_AT_WAIT (the routed GLU, whose successor reads its settled ids early)."""
     if HAS_IDS and not IDS_EARLY:
         pdl.wait(GDC)
         if RELEASE_AT_WAIT:
@@ -381,9 +382,11 @@ def launch_shape(kind: str, n_chunks: int, tiles: int = 1 << 30) -> tuple[int, i
     return br, sbc, warps, split
 
 
-RELEASE_AT_WAIT = False
-"""Launches by expert ids let the next kernel be scheduled right after their wait instead of after their K loop
-(A/B runs: `tools/step_variants.py`)."""
+RELEASE_AT_WAIT = True
+"""Launches by expert ids let the next kernel be scheduled right after their wait instead of after their K loop:
+the routed down projections then read their expert ids and first weights while the routed GLU runs (4.643 ->
+4.604 ms per replay at 4K, H200, bench/results/2026-12-04-h200-step-variants-release-router.json; False for A/B
+runs, `tools/step_variants.py`)."""
 
 SPLIT_MIN_PROGRAMS = 2048
 """Programs below which `launch_shape` splits K (in halves, while each part keeps 4 chunks or more)."""
