@@ -215,3 +215,24 @@ def test_gpu_layout_word_orders_expert_stacks_and_q8_0_matrices() -> None:
             QuantTensor("L0.moe.sh_down", random_blocks("Q8_0", 3, 640, rng), 8, (3, 640)),
             QuantTensor("L0.attn.o", random_blocks("Q5_1", 3, 640, rng), 7, (3, 640))]
     assert all(placement.word_ordered(t.name, t) is t for t in same)
+
+
+@pytest.mark.parametrize("kind,k", [("Q8_0_R", 1024), ("Q5_1_R", 512)])
+def test_preloaded_steps_change_no_bit(kind: str, k: int, rr_calls, monkeypatch) -> None:
+    """Loading the first 2 or all 4 of a launch's K-loop steps before the PDL wait (`PRELOAD`) only moves loads:
+    the same sums in the same order, plain and as the routed experts' slot sum."""
+    rng = np.random.default_rng(zlib_seed(kind) + 11)
+    w, ref = ggml_rows(kind, 9, k, rng)
+    st = torch.stack([w, ggml_rows(kind, 9, k, rng)[0]])
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(11))
+    ids, sw = torch.tensor([1, 0, 1]), torch.tensor([0.5, 0.3, 0.2])
+    assert _rr.launch_shape(kind, k // _rr.CHUNK[kind][0], 3)[3] == 1  # four loop steps, no K split
+    outs = []
+    for pre in (1, 2, 4):
+        monkeypatch.setitem(_rr.PRELOAD, kind, pre)
+        assert _rr.preload_steps(kind, 4) == pre
+        outs.append((G.gemv(x[:1], w, kind, k), G.gemv_experts_sum(x, st, ids, sw, kind, k, ids_settled=True)))
+    check(outs[0][0][0], x[0].double() @ ref.T, x[0].double().abs() @ ref.abs().T)
+    for plain, summed in outs[1:]:
+        assert torch.equal(plain, outs[0][0]) and torch.equal(summed, outs[0][1])
+    assert rr_calls == [kind] * 6

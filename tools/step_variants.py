@@ -17,6 +17,7 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   release:at-wait            launches by expert ids let the next kernel in right after their wait
                              (`gemv_rr.RELEASE_AT_WAIT`)
   gdn:BV                     the GDN step with BV value columns per program (`gdn.gdn_step`'s block_v)
+  preload:KIND:N             launches of KIND load N K-loop steps before their PDL wait (`gemv_rr.PRELOAD`)
   router:f32                 the router group stored in float32 as the GGUF stores it (not in the model dtype:
                              `placement.in_model_dtype`)
   ids-early:off              the routed down projections read the expert ids after their PDL wait
@@ -54,7 +55,7 @@ BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attent
         "RANK_SELECT_MAX_BLOCKS": attention.RANK_SELECT_MAX_BLOCKS, "attend": attention.attend,
         "hc_read_defaults": hyper.hc_read_defaults, "launch_shape": gemv_rr.launch_shape,
         "SETTLED_IDS": kernel_ops.SETTLED_IDS, "RELEASE_AT_WAIT": gemv_rr.RELEASE_AT_WAIT,
-        "gdn_step": gdn.gdn_step}
+        "gdn_step": gdn.gdn_step, "PRELOAD": dict(gemv_rr.PRELOAD)}
 
 
 def _frozen_select(scores, positions, k, c, *a, **kw):
@@ -101,6 +102,8 @@ def apply(variant: str) -> dict:
     kernel_ops.SETTLED_IDS = BASE["SETTLED_IDS"]
     gemv_rr.RELEASE_AT_WAIT = BASE["RELEASE_AT_WAIT"]
     gdn.gdn_step = BASE["gdn_step"]
+    gemv_rr.PRELOAD.clear()
+    gemv_rr.PRELOAD.update(BASE["PRELOAD"])
     swaps = {}
     for part in variant.split("+"):
         swaps.update(_apply_one(part))
@@ -113,7 +116,9 @@ def _apply_one(variant: str) -> dict:
         return {}
     if name == "route" and args == ["removed"]:
         return {"route": _frozen_route}
-    if name == "gdn" and len(args) == 1:
+    if name == "preload" and len(args) == 2:
+        gemv_rr.PRELOAD[args[0]] = int(args[1])
+    elif name == "gdn" and len(args) == 1:
         gdn.gdn_step = functools.partial(BASE["gdn_step"], block_v=int(args[0]))
     elif name == "router" and args == ["f32"]:
         return {"weights": "f32"}

@@ -141,28 +141,57 @@ def _q8_0_r_load(wp, hp, g, blk, k, D_STRIDE):
 
 
 @triton.jit
+def _q8_0_r_fma(acc, raw, xp, sb, s, blk, k, base, ASM: tl.constexpr):
+    """acc += one Q8_0_R chunk's weights (of groups sb + s) times x."""
+    v0, v1, d = raw
+    d = d.to(tl.float32)
+    scale = 32768.0 * d
+    shift = 32896.0 * d
+    xb = xp + (sb + s) * 256 + blk * 32 + k
+    for b in tl.static_range(4):
+        acc += tl.fma(_byte(v0, base, b, ASM), scale, -shift) * tl.load(xb + 8 * b).to(tl.float32)
+        acc += tl.fma(_byte(v1, base, b, ASM), scale, -shift) * tl.load(xb + 8 * b + 4).to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _q8_0_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr,
-                 ASM: tl.constexpr, GDC: tl.constexpr):
-    """`_super_block_rows` for Q8_0_R rows: NCH groups of 256 weights."""
+                 ASM: tl.constexpr, GDC: tl.constexpr, PRE: tl.constexpr = 1):
+    """`_super_block_rows` for Q8_0_R rows: NCH groups of 256 weights; the first PRE loop steps' words (up to 6)
+    in flight before `pdl.wait(GDC)`."""
     wp = rp.to(tl.pointer_type(tl.int32))[:, None, None, None]
     hp = rp.to(tl.pointer_type(tl.float16))[:, None, None, None]
     s = tl.arange(0, SBC)[None, :, None, None]
     blk = tl.arange(0, 8)[None, None, :, None]
     k = tl.arange(0, 4)[None, None, None, :]
     NIT: tl.constexpr = NCH // SBC
-    nxt = _q8_0_r_load(wp, hp, s, blk, k, D_STRIDE)
+    tl.static_assert(1 <= PRE and PRE <= 6 and PRE <= NIT, "preloaded steps: 1 .. min(6, loop steps)")
+    c0 = _q8_0_r_load(wp, hp, s, blk, k, D_STRIDE)
+    c1 = _q8_0_r_load(wp, hp, SBC + s, blk, k, D_STRIDE) if PRE > 1 else c0
+    c2 = _q8_0_r_load(wp, hp, 2 * SBC + s, blk, k, D_STRIDE) if PRE > 2 else c0
+    c3 = _q8_0_r_load(wp, hp, 3 * SBC + s, blk, k, D_STRIDE) if PRE > 3 else c0
+    c4 = _q8_0_r_load(wp, hp, 4 * SBC + s, blk, k, D_STRIDE) if PRE > 4 else c0
+    c5 = _q8_0_r_load(wp, hp, 5 * SBC + s, blk, k, D_STRIDE) if PRE > 5 else c0
     pdl.wait(GDC)
     acc = tl.zeros([BR, SBC, 8, 4], tl.float32)
-    for it in tl.range(0, NIT):
-        v0, v1, d = nxt
-        nxt = _q8_0_r_load(wp, hp, tl.minimum(it + 1, NIT - 1) * SBC + s, blk, k, D_STRIDE)
-        d = d.to(tl.float32)
-        scale = 32768.0 * d
-        shift = 32896.0 * d
-        xb = xp + (it * SBC + s) * 256 + blk * 32 + k
-        for b in tl.static_range(4):
-            acc += tl.fma(_byte(v0, base, b, ASM), scale, -shift) * tl.load(xb + 8 * b).to(tl.float32)
-            acc += tl.fma(_byte(v1, base, b, ASM), scale, -shift) * tl.load(xb + 8 * b + 4).to(tl.float32)
+    if PRE < NIT:  # the next step's words go out before the preloaded steps' arithmetic
+        nxt = _q8_0_r_load(wp, hp, PRE * SBC + s, blk, k, D_STRIDE)
+    acc = _q8_0_r_fma(acc, c0, xp, 0, s, blk, k, base, ASM)
+    if PRE > 1:
+        acc = _q8_0_r_fma(acc, c1, xp, SBC, s, blk, k, base, ASM)
+    if PRE > 2:
+        acc = _q8_0_r_fma(acc, c2, xp, 2 * SBC, s, blk, k, base, ASM)
+    if PRE > 3:
+        acc = _q8_0_r_fma(acc, c3, xp, 3 * SBC, s, blk, k, base, ASM)
+    if PRE > 4:
+        acc = _q8_0_r_fma(acc, c4, xp, 4 * SBC, s, blk, k, base, ASM)
+    if PRE > 5:
+        acc = _q8_0_r_fma(acc, c5, xp, 5 * SBC, s, blk, k, base, ASM)
+    if PRE < NIT:
+        for it in tl.range(PRE, NIT):
+            cur = nxt
+            nxt = _q8_0_r_load(wp, hp, tl.minimum(it + 1, NIT - 1) * SBC + s, blk, k, D_STRIDE)
+            acc = _q8_0_r_fma(acc, cur, xp, it * SBC, s, blk, k, base, ASM)
     return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
 
 
@@ -174,32 +203,61 @@ def _q5_1_r_load(wp, g, blk, k, D_STRIDE):
 
 
 @triton.jit
+def _q5_1_r_fma(acc, raw, xp, sb, s, blk, k, base, ASM: tl.constexpr):
+    """acc += one Q5_1_R chunk's weights (of groups sb + s) times x."""
+    v, dmw, qh = raw
+    d = _f16_lo(dmw)
+    m = _f16_lo(dmw >> 16)
+    scale = 256.0 * d
+    shift = m - 128.0 * d
+    lo = (v & 0x0F0F0F0F) | ((qh >> k) & 0x10101010)
+    hi = ((v >> 4) & 0x0F0F0F0F) | ((qh << (4 - k)) & 0x10101010)
+    xb = xp + (sb + s) * 128 + blk * 32 + k
+    for b in tl.static_range(4):
+        acc += tl.fma(_nibble(lo, base, b, ASM), scale, shift) * tl.load(xb + 4 * b).to(tl.float32)
+        acc += tl.fma(_nibble(hi, base, b, ASM), scale, shift) * tl.load(xb + 16 + 4 * b).to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _q5_1_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr,
-                 ASM: tl.constexpr, GDC: tl.constexpr):
+                 ASM: tl.constexpr, GDC: tl.constexpr, PRE: tl.constexpr = 1):
     """`_super_block_rows` for Q5_1_R rows: NCH groups of 128 weights (four blocks; a thread takes one block's 16 nibble
     bytes). The fifth bits land on bit 4 of each byte by one shift and one masked OR (`repack.py` placed them),
-    and w = d q + m = fma(0.5 + q / 256, 256 d, m - 128 d)."""
+    and w = d q + m = fma(0.5 + q / 256, 256 d, m - 128 d). The first PRE loop steps' words (up to 6) are in
+    flight before `pdl.wait(GDC)`."""
     wp = rp.to(tl.pointer_type(tl.int32))[:, None, None, None]
     s = tl.arange(0, SBC)[None, :, None, None]
     blk = tl.arange(0, 4)[None, None, :, None]
     k = tl.arange(0, 4)[None, None, None, :]
     NIT: tl.constexpr = NCH // SBC
-    nxt = _q5_1_r_load(wp, s, blk, k, D_STRIDE)
+    tl.static_assert(1 <= PRE and PRE <= 6 and PRE <= NIT, "preloaded steps: 1 .. min(6, loop steps)")
+    c0 = _q5_1_r_load(wp, s, blk, k, D_STRIDE)
+    c1 = _q5_1_r_load(wp, SBC + s, blk, k, D_STRIDE) if PRE > 1 else c0
+    c2 = _q5_1_r_load(wp, 2 * SBC + s, blk, k, D_STRIDE) if PRE > 2 else c0
+    c3 = _q5_1_r_load(wp, 3 * SBC + s, blk, k, D_STRIDE) if PRE > 3 else c0
+    c4 = _q5_1_r_load(wp, 4 * SBC + s, blk, k, D_STRIDE) if PRE > 4 else c0
+    c5 = _q5_1_r_load(wp, 5 * SBC + s, blk, k, D_STRIDE) if PRE > 5 else c0
     pdl.wait(GDC)
     acc = tl.zeros([BR, SBC, 4, 4], tl.float32)
-    for it in tl.range(0, NIT):
-        v, dmw, qh = nxt
-        nxt = _q5_1_r_load(wp, tl.minimum(it + 1, NIT - 1) * SBC + s, blk, k, D_STRIDE)
-        d = _f16_lo(dmw)
-        m = _f16_lo(dmw >> 16)
-        scale = 256.0 * d
-        shift = m - 128.0 * d
-        lo = (v & 0x0F0F0F0F) | ((qh >> k) & 0x10101010)
-        hi = ((v >> 4) & 0x0F0F0F0F) | ((qh << (4 - k)) & 0x10101010)
-        xb = xp + (it * SBC + s) * 128 + blk * 32 + k
-        for b in tl.static_range(4):
-            acc += tl.fma(_nibble(lo, base, b, ASM), scale, shift) * tl.load(xb + 4 * b).to(tl.float32)
-            acc += tl.fma(_nibble(hi, base, b, ASM), scale, shift) * tl.load(xb + 16 + 4 * b).to(tl.float32)
+    if PRE < NIT:  # the next step's words go out before the preloaded steps' arithmetic
+        nxt = _q5_1_r_load(wp, PRE * SBC + s, blk, k, D_STRIDE)
+    acc = _q5_1_r_fma(acc, c0, xp, 0, s, blk, k, base, ASM)
+    if PRE > 1:
+        acc = _q5_1_r_fma(acc, c1, xp, SBC, s, blk, k, base, ASM)
+    if PRE > 2:
+        acc = _q5_1_r_fma(acc, c2, xp, 2 * SBC, s, blk, k, base, ASM)
+    if PRE > 3:
+        acc = _q5_1_r_fma(acc, c3, xp, 3 * SBC, s, blk, k, base, ASM)
+    if PRE > 4:
+        acc = _q5_1_r_fma(acc, c4, xp, 4 * SBC, s, blk, k, base, ASM)
+    if PRE > 5:
+        acc = _q5_1_r_fma(acc, c5, xp, 5 * SBC, s, blk, k, base, ASM)
+    if PRE < NIT:
+        for it in tl.range(PRE, NIT):
+            cur = nxt
+            nxt = _q5_1_r_load(wp, tl.minimum(it + 1, NIT - 1) * SBC + s, blk, k, D_STRIDE)
+            acc = _q5_1_r_fma(acc, cur, xp, it * SBC, s, blk, k, base, ASM)
     return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
 
 
@@ -280,7 +338,7 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
                SBC: tl.constexpr, BR: tl.constexpr, GLU: tl.constexpr,
                HAS_IDS: tl.constexpr, ASM: tl.constexpr, SPLIT_SUM: tl.constexpr, SPLIT: tl.constexpr = 1,
                SLOT_SUM: tl.constexpr = 0, IDS_EARLY: tl.constexpr = False, RELEASE_AT_WAIT: tl.constexpr = False,
-               GDC: tl.constexpr = False):
+               PRE: tl.constexpr = 1, GDC: tl.constexpr = False):
     """out[slot, rows] = W[slot's matrix][rows] . x[slot], or with GLU act(G . x) * (U . x), for one token.
 
     Program (i, slot, s): BR rows of the matrix of `slot` (expert ids[slot] when HAS_IDS), or with GLU BR / 2 rows
@@ -330,10 +388,10 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
                                 GDC and (IDS_EARLY or not HAS_IDS), KIND == "Q6_K_R")
     elif KIND == "Q8_0_R":
         res = _q8_0_r_rows(rp, xp, tl.full([BR, SBC, 8, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
-                           GDC and (IDS_EARLY or not HAS_IDS))
+                           GDC and (IDS_EARLY or not HAS_IDS), PRE)
     else:
         res = _q5_1_r_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
-                           GDC and (IDS_EARLY or not HAS_IDS))
+                           GDC and (IDS_EARLY or not HAS_IDS), PRE)
     if not (RELEASE_AT_WAIT and HAS_IDS and not IDS_EARLY):
         pdl.started(GDC)
     last = 1
@@ -388,6 +446,16 @@ the routed down projections then read their expert ids and first weights while t
 4.604 ms per replay at 4K, H200, bench/results/2026-12-04-h200-step-variants-release-router.json; False for A/B
 runs, `tools/step_variants.py`)."""
 
+PRELOAD = {"Q8_0_R": 1, "Q5_1_R": 1}
+"""Loop steps of a launch's K loop whose words are loaded before its PDL wait, by type (at most 6; the other types
+load one): more of the weights in flight while the kernel before runs, for more registers."""
+
+
+def preload_steps(kind: str, steps: int) -> int:
+    """The K-loop steps of a `kind` launch of `steps` steps loaded before its PDL wait (`PRELOAD`)."""
+    return max(1, min(PRELOAD.get(kind, 1), steps, 6))
+
+
 SPLIT_MIN_PROGRAMS = 2048
 """Programs below which `launch_shape` splits K (in halves, while each part keeps 4 chunks or more)."""
 
@@ -426,4 +494,5 @@ def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None
         KIND=kind, CHUNK_ELEMS=CHUNK[kind][0], CHUNK_BYTES=CHUNK[kind][1], NCH=k // CHUNK[kind][0], SBC=sbc, BR=br,
         GLU=glu, HAS_IDS=ids is not None, ASM=x.device.type == "cuda", SPLIT_SUM=split_sum, SPLIT=split,
         SLOT_SUM=slots if slot_weights is not None else 0, IDS_EARLY=ids_early and ids is not None,
-        RELEASE_AT_WAIT=RELEASE_AT_WAIT, num_warps=warps, **gdc)
+        RELEASE_AT_WAIT=RELEASE_AT_WAIT, PRE=preload_steps(kind, k // CHUNK[kind][0] // (split * sbc)),
+        num_warps=warps, **gdc)
