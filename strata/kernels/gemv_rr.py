@@ -446,9 +446,13 @@ the routed down projections then read their expert ids and first weights while t
 4.604 ms per replay at 4K, H200, bench/results/2026-12-04-h200-step-variants-release-router.json; False for A/B
 runs, `tools/step_variants.py`)."""
 
-PRELOAD = {"Q8_0_R": 1, "Q5_1_R": 1}
+PRELOAD = {"Q8_0_R": 1, "Q5_1_R": 5}
 """Loop steps of a launch's K loop whose words are loaded before its PDL wait, by type (at most 6; the other types
-load one): more of the weights in flight while the kernel before runs, for more registers."""
+load one): more of the weights in flight while the kernel before runs, for more registers. In the 4K step on an
+H200 (bench/results/2026-12-04-h200-step-variants-preload.json): the routed down projections (Q5_1_R, five
+steps) with all five, 4.598-4.609 -> 4.568 ms per replay (their share of a layer's path 9.4 -> 7.2 us); two
+or more for Q8_0_R, which the projection groups share, made the step slower (4.67-4.72 ms: their early programs
+slow the HC read before them)."""
 
 
 def preload_steps(kind: str, steps: int) -> int:
