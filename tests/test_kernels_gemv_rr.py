@@ -230,7 +230,7 @@ def test_preloaded_steps_change_no_bit(kind: str, k: int, rr_calls, monkeypatch)
     outs = []
     for pre in (1, 2, 4):
         monkeypatch.setitem(_rr.PRELOAD, kind, pre)
-        assert _rr.preload_steps(kind, 4) == pre and _rr.preload_steps(kind, 4, 2) == pre
+        assert _rr.preload_steps(kind, 4) == pre
         outs.append((G.gemv(x[:1], w, kind, k), G.gemv_experts_sum(x, st, ids, sw, kind, k, ids_settled=True)))
     check(outs[0][0][0], x[0].double() @ ref.T, x[0].double().abs() @ ref.abs().T)
     for plain, summed in outs[1:]:

@@ -18,7 +18,6 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
                              (`gemv_rr.RELEASE_AT_WAIT`)
   gdn:BV                     the GDN step with BV value columns per program (`gdn.gdn_step`'s block_v)
   preload:KIND:N             launches of KIND load N K-loop steps before their PDL wait (`gemv_rr.PRELOAD`)
-  preload-split:KIND:N       the same for launches of KIND with K split (`gemv_rr.PRELOAD_SPLIT`)
   router:f32                 the router group stored in float32 as the GGUF stores it (not in the model dtype:
                              `placement.in_model_dtype`)
   ids-early:off              the routed down projections read the expert ids after their PDL wait
@@ -56,8 +55,7 @@ BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attent
         "RANK_SELECT_MAX_BLOCKS": attention.RANK_SELECT_MAX_BLOCKS, "attend": attention.attend,
         "hc_read_defaults": hyper.hc_read_defaults, "launch_shape": gemv_rr.launch_shape,
         "SETTLED_IDS": kernel_ops.SETTLED_IDS, "RELEASE_AT_WAIT": gemv_rr.RELEASE_AT_WAIT,
-        "gdn_step": gdn.gdn_step, "PRELOAD": dict(gemv_rr.PRELOAD),
-        "PRELOAD_SPLIT": dict(gemv_rr.PRELOAD_SPLIT)}
+        "gdn_step": gdn.gdn_step, "PRELOAD": dict(gemv_rr.PRELOAD)}
 
 
 def _frozen_select(scores, positions, k, c, *a, **kw):
@@ -106,8 +104,6 @@ def apply(variant: str) -> dict:
     gdn.gdn_step = BASE["gdn_step"]
     gemv_rr.PRELOAD.clear()
     gemv_rr.PRELOAD.update(BASE["PRELOAD"])
-    gemv_rr.PRELOAD_SPLIT.clear()
-    gemv_rr.PRELOAD_SPLIT.update(BASE["PRELOAD_SPLIT"])
     swaps = {}
     for part in variant.split("+"):
         swaps.update(_apply_one(part))
@@ -122,8 +118,6 @@ def _apply_one(variant: str) -> dict:
         return {"route": _frozen_route}
     if name == "preload" and len(args) == 2:
         gemv_rr.PRELOAD[args[0]] = int(args[1])
-    elif name == "preload-split" and len(args) == 2:
-        gemv_rr.PRELOAD_SPLIT[args[0]] = int(args[1])
     elif name == "gdn" and len(args) == 1:
         gdn.gdn_step = functools.partial(BASE["gdn_step"], block_v=int(args[0]))
     elif name == "router" and args == ["f32"]:

@@ -454,17 +454,10 @@ steps) with all five, 4.598-4.609 -> 4.568 ms per replay (their share of a layer
 or more for Q8_0_R, which the projection groups share, made the step slower (4.67-4.72 ms: their early programs
 slow the HC read before them)."""
 
-PRELOAD_SPLIT = {"Q8_0_R": 1}
-"""`PRELOAD` for launches whose K is split over programs (the out projections), by type; 1: `PRELOAD`'s."""
 
-
-def preload_steps(kind: str, steps: int, split: int = 1) -> int:
-    """The K-loop steps of a `kind` launch of `steps` steps per program, K split in `split`, loaded before its
-    PDL wait (`PRELOAD`, `PRELOAD_SPLIT`)."""
-    want = PRELOAD.get(kind, 1)
-    if split > 1 and PRELOAD_SPLIT.get(kind, 1) > 1:
-        want = PRELOAD_SPLIT[kind]
-    return max(1, min(want, steps, 6))
+def preload_steps(kind: str, steps: int) -> int:
+    """The K-loop steps of a `kind` launch of `steps` steps loaded before its PDL wait (`PRELOAD`)."""
+    return max(1, min(PRELOAD.get(kind, 1), steps, 6))
 
 
 SPLIT_MIN_PROGRAMS = 2048
@@ -505,5 +498,5 @@ def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None
         KIND=kind, CHUNK_ELEMS=CHUNK[kind][0], CHUNK_BYTES=CHUNK[kind][1], NCH=k // CHUNK[kind][0], SBC=sbc, BR=br,
         GLU=glu, HAS_IDS=ids is not None, ASM=x.device.type == "cuda", SPLIT_SUM=split_sum, SPLIT=split,
         SLOT_SUM=slots if slot_weights is not None else 0, IDS_EARLY=ids_early and ids is not None,
-        RELEASE_AT_WAIT=RELEASE_AT_WAIT, PRE=preload_steps(kind, k // CHUNK[kind][0] // (split * sbc), split),
+        RELEASE_AT_WAIT=RELEASE_AT_WAIT, PRE=preload_steps(kind, k // CHUNK[kind][0] // (split * sbc)),
         num_warps=warps, **gdc)
