@@ -18,6 +18,8 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
                              (`gemv_rr.RELEASE_AT_WAIT`)
   gdn:BV                     the GDN step with BV value columns per program (`gdn.gdn_step`'s block_v)
   preload:KIND:N             launches of KIND load N K-loop steps before their PDL wait (`gemv_rr.PRELOAD`)
+  gemv-type:NAME:R,W,S       the generic GEMV's small one-token launches of type NAME with R rows and W warps per
+                             program, K split S (`gemv.GemvType.small`, `small_split`; R = 0: no small shape)
   router:f32                 the router group stored in float32 as the GGUF stores it (not in the model dtype:
                              `placement.in_model_dtype`)
   ids-early:off              the routed down projections read the expert ids after their PDL wait
@@ -45,6 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from strata.kernels import attention, gdn, gemv_rr, hyper, moe, pdl  # noqa: E402
+from strata.kernels import gemv as kernel_gemv  # noqa: E402
 from strata.kernels import ops as kernel_ops  # noqa: E402
 from strata.model.model import Model  # noqa: E402
 from strata.runtime import bench  # noqa: E402
@@ -55,7 +58,8 @@ BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attent
         "RANK_SELECT_MAX_BLOCKS": attention.RANK_SELECT_MAX_BLOCKS, "attend": attention.attend,
         "hc_read_defaults": hyper.hc_read_defaults, "launch_shape": gemv_rr.launch_shape,
         "SETTLED_IDS": kernel_ops.SETTLED_IDS, "RELEASE_AT_WAIT": gemv_rr.RELEASE_AT_WAIT,
-        "gdn_step": gdn.gdn_step, "PRELOAD": dict(gemv_rr.PRELOAD)}
+        "gdn_step": gdn.gdn_step, "PRELOAD": dict(gemv_rr.PRELOAD),
+        "GEMV_TYPE_NAMES": dict(kernel_gemv.GEMV_TYPE_NAMES)}
 
 
 def _frozen_select(scores, positions, k, c, *a, **kw):
@@ -104,6 +108,8 @@ def apply(variant: str) -> dict:
     gdn.gdn_step = BASE["gdn_step"]
     gemv_rr.PRELOAD.clear()
     gemv_rr.PRELOAD.update(BASE["PRELOAD"])
+    for t in BASE["GEMV_TYPE_NAMES"].values():
+        kernel_gemv.GEMV_TYPE_NAMES[t.name] = kernel_gemv.GEMV_TYPES[t.type_id] = t
     swaps = {}
     for part in variant.split("+"):
         swaps.update(_apply_one(part))
@@ -116,7 +122,12 @@ def _apply_one(variant: str) -> dict:
         return {}
     if name == "route" and args == ["removed"]:
         return {"route": _frozen_route}
-    if name == "preload" and len(args) == 2:
+    if name == "gemv-type" and len(args) == 2:
+        rows, warps, split = (int(v) for v in args[1].split(","))
+        t = dataclasses.replace(kernel_gemv.GEMV_TYPE_NAMES[args[0]], small=(rows, warps) if rows else None,
+                                small_split=(split, 1))
+        kernel_gemv.GEMV_TYPE_NAMES[t.name] = kernel_gemv.GEMV_TYPES[t.type_id] = t
+    elif name == "preload" and len(args) == 2:
         gemv_rr.PRELOAD[args[0]] = int(args[1])
     elif name == "gdn" and len(args) == 1:
         gdn.gdn_step = functools.partial(BASE["gdn_step"], block_v=int(args[0]))

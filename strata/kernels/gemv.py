@@ -112,8 +112,12 @@ _TYPE_LIST: tuple[GemvType, ...] = (
     # 5: 5.5 -> 3.6 us; Q8_0 shared-expert GLU 640x2560 split 5: 7.6 -> 5.3 us; Q5_1 expert down, 10 slots of
     # 2560x640, 16 rows per program: 12.1 -> 10.4 us)
     GemvType("F32", 0, 1, 4, gb.decode_dense, 2, 256, small=(2, 4), dense_dtype=torch.float32, small_split=(5, 1)),
-    GemvType("F16", 1, 1, 2, gb.decode_dense, 2, 512, dense_dtype=torch.float16),
-    GemvType("BF16", 30, 1, 2, gb.decode_dense, 2, 512, dense_dtype=torch.bfloat16),
+    # F16 / BF16: the F32 router's small launches (the router group of a 16-bit model is stored in its dtype,
+    # `placement.in_model_dtype`); without them (16 rows per program, no split) the BF16 router took 6.0 us of a
+    # layer's path against 4.5 for F32 (bench/results/2026-12-04-h200-step-variants-release-router.json)
+    GemvType("F16", 1, 1, 2, gb.decode_dense, 2, 512, small=(2, 4), dense_dtype=torch.float16, small_split=(5, 1)),
+    GemvType("BF16", 30, 1, 2, gb.decode_dense, 2, 512, small=(2, 4), dense_dtype=torch.bfloat16,
+             small_split=(5, 1)),
     GemvType("Q4_0", 2, 32, 18, gb.decode_q4_0, 4, 8, block_n=8, f16_fields=(0,)),
     GemvType("Q4_1", 3, 32, 20, gb.decode_q4_1, 6, 8, num_warps=8, f16_fields=(0, 2)),
     GemvType("Q5_0", 6, 32, 22, gb.decode_q5_0, 5, 8, f16_fields=(0,)),
