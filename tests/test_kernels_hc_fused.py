@@ -21,10 +21,8 @@ import triton  # noqa: F401  (fails the module when Triton is missing)
 
 from strata.kernels import hc_write as hc_write_kernel
 from strata.kernels import hyper
-from strata.kernels import moe as moe_kernel
 from strata.kernels.fused import fused_ops
 from strata.model.hyper import hc_write_read_ref, hc_write_ref
-from strata.model.moe import moe_write_read_ref
 from strata.model.ops import Ops, linear_ref
 from strata.runtime.engine import Engine
 from strata.weights.hf import load_hf
@@ -107,11 +105,8 @@ def test_model_decode_matches_reference(name, tmp_path, monkeypatch):
     """Prefill 4 tokens, then decode 4 with every fused op, through the engine and the fixed-capacity step the GPU
     captures (run eagerly). Per decode step the fused kernel serves every read that follows a write: both reads
     of every layer, less layer 0's first and those after a PLE mix (which needs the written state), plus the
-    final read, those after a MoE block with its combine folded in (`moe_write_read`: the first read of every
-    layer but the first and the PLE ones, and the final read); the write kernel serves the writes before a PLE
-    mix."""
+    final read; the write kernel serves the writes before a PLE mix."""
     calls = reference.count_calls(monkeypatch, {"fused": (hyper, "hc_write_read"),
-                                                "moe": (hyper, "moe_write_read"),
                                                 "write": (hc_write_kernel, "hc_write")})
     weights = load_hf(reference.save(reference.build(name), tmp_path))
     ref = Engine(weights)
@@ -121,26 +116,5 @@ def test_model_decode_matches_reference(name, tmp_path, monkeypatch):
     n = ref.cfg.num_hidden_layers
     split = len([i for i in ref.new_state().ple if i > 0])  # PLE layers (0-based) with a write before the mix
     runs = 2 * 4  # engine and static step, 4 decode steps each
-    assert calls["fused"] == runs * n  # the second read of every layer: after its attention or GDN block
-    assert calls["moe"] == runs * (n - split)  # after each layer's MoE block: the next layer's first read or the final
+    assert calls["fused"] == runs * (2 * n - split)
     assert calls["write"] >= runs * split  # the decode steps' split writes (prefill's writes come on top)
-
-
-@pytest.mark.parametrize("S,H,R,dtype,knobs", th.CASES[:3] + th.CASES[-2:])
-def test_moe_write_read_matches_the_combine_then_the_write_read(S, H, R, dtype, knobs):
-    """A MoE block's combine folded into the write-read (`moe_write_read`) gives the bits of the combine kernel
-    followed by `hc_write_read`: the same roundings where y is formed; and the reference within its tolerance."""
-    x, norm, down, up, inject = th.make(S, H, R, dtype, seed=S * 100 + H + R)
-    g = torch.Generator().manual_seed(S + H + R)
-    inj_prev = (2 * torch.rand(1, S, generator=g)).to(dtype)
-    routed, shared = (torch.randn(1, H, generator=g).to(dtype) for _ in range(2))
-    gate = torch.randn(1, 1, generator=g).to(dtype)
-    for inj in (inject, None):
-        got = hyper.moe_write_read(x, inj_prev, routed, gate, shared, norm, down, up, inj, S, th.EPS, **knobs)
-        y = moe_kernel.moe_combine(routed, gate, shared)
-        want = hyper.hc_write_read(x, inj_prev, y, norm, down, up, inj, S, th.EPS, **knobs)
-        for p, q in zip(got, want, strict=True):
-            assert (p is None and q is None) or torch.equal(p, q)
-        ref = moe_write_read_ref(x, inj_prev, routed, gate, shared, norm, down, up, inj, S, th.EPS, linear_ref)
-        assert (got[0].float() - ref[0].float()).abs().max() <= 4 * 2 ** -8 * ref[0].float().abs().max()
-        th.assert_close(got[1], ref[1], dtype)

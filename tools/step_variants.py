@@ -20,7 +20,6 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   preload:KIND:N             launches of KIND load N K-loop steps before their PDL wait (`gemv_rr.PRELOAD`)
   gemv-type:NAME:R,W,S       the generic GEMV's small one-token launches of type NAME with R rows and W warps per
                              program, K split S (`gemv.GemvType.small`, `small_split`; R = 0: no small shape)
-  combine:separate           a MoE block's combine in its own launch (`hyper.FOLD_MOE_COMBINE` off)
   router:f32                 the router group stored in float32 as the GGUF stores it (not in the model dtype:
                              `placement.in_model_dtype`)
   ids-early:off              the routed down projections read the expert ids after their PDL wait
@@ -60,7 +59,7 @@ BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attent
         "hc_read_defaults": hyper.hc_read_defaults, "launch_shape": gemv_rr.launch_shape,
         "SETTLED_IDS": kernel_ops.SETTLED_IDS, "RELEASE_AT_WAIT": gemv_rr.RELEASE_AT_WAIT,
         "gdn_step": gdn.gdn_step, "PRELOAD": dict(gemv_rr.PRELOAD),
-        "GEMV_TYPE_NAMES": dict(kernel_gemv.GEMV_TYPE_NAMES), "FOLD_MOE_COMBINE": hyper.FOLD_MOE_COMBINE}
+        "GEMV_TYPE_NAMES": dict(kernel_gemv.GEMV_TYPE_NAMES)}
 
 
 def _frozen_select(scores, positions, k, c, *a, **kw):
@@ -109,7 +108,6 @@ def apply(variant: str) -> dict:
     gdn.gdn_step = BASE["gdn_step"]
     gemv_rr.PRELOAD.clear()
     gemv_rr.PRELOAD.update(BASE["PRELOAD"])
-    hyper.FOLD_MOE_COMBINE = BASE["FOLD_MOE_COMBINE"]
     for t in BASE["GEMV_TYPE_NAMES"].values():
         kernel_gemv.GEMV_TYPE_NAMES[t.name] = kernel_gemv.GEMV_TYPES[t.type_id] = t
     swaps = {}
@@ -124,9 +122,7 @@ def _apply_one(variant: str) -> dict:
         return {}
     if name == "route" and args == ["removed"]:
         return {"route": _frozen_route}
-    if name == "combine" and args == ["separate"]:
-        hyper.FOLD_MOE_COMBINE = False
-    elif name == "gemv-type" and len(args) == 2:
+    if name == "gemv-type" and len(args) == 2:
         rows, warps, split = (int(v) for v in args[1].split(","))
         t = dataclasses.replace(kernel_gemv.GEMV_TYPE_NAMES[args[0]], small=(rows, warps) if rows else None,
                                 small_split=(split, 1))

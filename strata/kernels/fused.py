@@ -75,19 +75,6 @@ def fused_ops(base: Ops, force: bool = False) -> Ops:
         lambda x, inj_prev, y, n, down, up, inj, *_: (hyper.supported(x, down, up, inj)
                                                       and hc_write_kernel.supported(x, inj_prev, y)),
         write_then_read, force)
-    # a MoE block's combine folded in as well where the combine kernel applies; else the combine entry, then the
-    # write-read entry
-    combine, write_read = entries["moe_combine"], entries["hc_write_read"]
-
-    def combine_then_write_read(x, inj_prev, routed, gate_logit, shared, *read_args):
-        return write_read(x, inj_prev, combine(routed, gate_logit, shared), *read_args)
-
-    entries["moe_write_read"] = _entry(
-        lambda *a: hyper.moe_write_read(*a[:11]),  # the kernel needs no `linear`
-        lambda x, inj_prev, routed, gate_logit, shared, n, down, up, inj, *_: (
-            hyper.FOLD_MOE_COMBINE and hyper.supported(x, down, up, inj)
-            and hc_write_kernel.supported(x, inj_prev, routed) and moe.combine_supported(routed, gate_logit, shared)),
-        combine_then_write_read, force)
     if base.select_tokens is select_tokens_ref:
         entries["select_tokens"] = _entry(attention.select_tokens,
                                           lambda q_idx, *_: q_idx.shape[0] <= attention.MAX_L,

@@ -50,33 +50,11 @@ STATS_BLOCK = 2048  # x values per statistics load: bounds the registers the inv
 
 
 @triton.jit
-def _gate(g_ptr, COMBINE: tl.constexpr, DT: tl.constexpr):
-    """sigmoid(the shared expert's gate logit) rounded to DT, as `moe._combine_kernel` rounds it (COMBINE), else
-    0."""
-    if COMBINE:
-        g = tl.load(g_ptr).to(tl.float32)
-        return (1.0 / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
-    else:
-        return 0.0
-
-
-@triton.jit
-def _block_out(y_ptr, sh_ptr, sig, offs, mask, COMBINE: tl.constexpr, DT: tl.constexpr):
-    """The block output y at offs (fp32 values of DT): loaded, or with COMBINE formed as `moe._combine_kernel`
-    forms it, routed + round(sig * shared) rounded."""
-    y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if COMBINE:
-        sh = tl.load(sh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = (y + (sig * sh).to(DT).to(tl.float32)).to(DT).to(tl.float32)
-    return y
-
-
-@triton.jit
 def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, wi_ptr, y_ptr, xo_ptr, cnt_ptr, m_ptr,
-                    iota_ptr, sh_ptr, g_ptr, H, R, NI, RT, NRBD, eps,
+                    iota_ptr, H, R, NI, RT, NRBD, eps,
                     S: tl.constexpr, KPS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr,
                     NHB: tl.constexpr, DT: tl.constexpr, WRITE: tl.constexpr, TICKETS: tl.constexpr,
-                    COMBINE: tl.constexpr = False, GDC: tl.constexpr = False):
+                    GDC: tl.constexpr = False):
     """part[pk, row] = sum over the chunk's k of W[row, k] * GN(x)[k] (fp32) for BR rows; rstd[s] by one
     program per stream. All global loads come first: the compiler does not move loads above the barriers of
     the reductions, so this is what puts the weight tile in flight together with the statistics.
@@ -84,9 +62,7 @@ def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, wi_p
     WRITE: the state read is x' = x + round(wi[s] * y) (the preceding block's write, rounded as
     `hc_write_ref`), formed on the fly from x, y and wi wherever x is read (the chunk and the statistics pass),
     so the write costs no launch; the row-block-0 programs, whose chunks tile x exactly once, store x' to xo
-    for the up kernel (launched after this one) and the caller. COMBINE: y is a MoE block's output before its
-    combine, y = routed (y_ptr) + sigmoid(gate logit, g_ptr) * shared (sh_ptr), formed where y is read with
-    `moe.moe_combine`'s roundings, so the combine costs no launch either.
+    for the up kernel (launched after this one) and the caller.
 
     TICKETS: the last of a row block's S*KPS programs to finish (a ticket from cnt[row block]) sums the block's
     partials in chunk order and stores the finished rows: m = SiLU(round(sum) / S) (fp32, to m) for down rows,
@@ -117,8 +93,7 @@ def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, wi_p
     xv = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
     if WRITE:
         wis = tl.load(wi_ptr + s).to(tl.float32)
-        sig = _gate(g_ptr, COMBINE, DT)
-        yv = _block_out(y_ptr, sh_ptr, sig, k - s * H, km, COMBINE, DT)
+        yv = tl.load(y_ptr + k - s * H, mask=km, other=0.0).to(tl.float32)
         xv = (xv + (wis * yv).to(DT).to(tl.float32)).to(DT).to(tl.float32)
     if KPS == 1:  # the chunk is the whole stream
         ss = tl.sum(tl.sum(xv * xv, axis=1), axis=0)
@@ -128,7 +103,7 @@ def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, wi_p
             h = t * HB + tl.arange(0, HB)
             xs = tl.load(x_ptr + s * H + h, mask=h < H, other=0.0).to(tl.float32)
             if WRITE:
-                ys = _block_out(y_ptr, sh_ptr, sig, h, h < H, COMBINE, DT)
+                ys = tl.load(y_ptr + h, mask=h < H, other=0.0).to(tl.float32)
                 xs = (xs + (wis * ys).to(DT).to(tl.float32)).to(DT).to(tl.float32)
             acc_ss += xs * xs
         ss = tl.sum(acc_ss, axis=0)
@@ -312,27 +287,10 @@ def hc_write_read(x: torch.Tensor, inject_prev: torch.Tensor, y: torch.Tensor, n
                    block_r, warps_down, warps_up, finish_in_down)
 
 
-def moe_write_read(x: torch.Tensor, inject_prev: torch.Tensor, routed: torch.Tensor, gate_logit: torch.Tensor,
-                   shared: torch.Tensor, norm: torch.Tensor, down: StoredTensor, up: StoredTensor,
-                   inject: StoredTensor | None, streams: int, eps: float, **knobs,
-                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`hc_write_read` of a MoE block's output before its combine, y = routed (1, H) + sigmoid(gate_logit (1, 1))
-    * shared (1, H), formed by the down programs where they read y (the twin of
-    `strata.model.moe.moe_write_read_ref`): the combine's launch folded in too. Knobs as `hc_read`."""
-    return _launch(x, (inject_prev, routed, shared.contiguous(), gate_logit.contiguous()), norm, down, up, inject,
-                   streams, eps, **knobs)
-
-
-FOLD_MOE_COMBINE = True
-"""Whether the op table folds a MoE block's combine into the next read (`moe_write_read`); False runs the combine's
-own launch first (A/B runs: `tools/step_variants.py`)."""
-
-
-def _launch(x, write, norm, down, up, inject, streams, eps, block_rows=None, block_h=None, block_k=None,
-            block_r=None, warps_down=None, warps_up=None, finish_in_down=True):
+def _launch(x, write, norm, down, up, inject, streams, eps, block_rows, block_h, block_k, block_r, warps_down,
+            warps_up, finish_in_down=True):
     """Both launches of the read, of x (write None) or of x + round(inject_prev * y) (write = (inject_prev,
-    y), or (inject_prev, routed, shared, gate_logit) for a MoE output before its combine): (x' or None, a, iota or
-    None)."""
+    y)): (x' or None, a, iota or None)."""
     dt, dev = x.dtype, x.device
     S = streams
     SH = x.shape[-1]
@@ -349,13 +307,11 @@ def _launch(x, write, norm, down, up, inject, streams, eps, block_rows=None, blo
     rc = min(block_r or d["block_r"], triton.next_power_of_2(R))
     x = x.contiguous()
     norm = norm.float().contiguous()
-    combine = write is not None and len(write) == 4
     if write is not None:
         inj_prev, y = write[0].contiguous(), write[1].contiguous()
-        sh, g = (write[2], write[3]) if combine else (y, y)
         x_new = torch.empty_like(x)
     else:
-        inj_prev, y, sh, g, x_new = x, x, x, x, x  # unused (WRITE=False): any pointer
+        inj_prev, y, x_new = x, x, x  # unused (WRITE=False): any pointer
     kps = triton.cdiv(H, bk)  # K chunks per stream
     nkc = S * kps
     rt = triton.cdiv(R + ni, 16) * 16  # partial rows padded so that each starts 64-byte aligned
@@ -371,10 +327,10 @@ def _launch(x, write, norm, down, up, inject, streams, eps, block_rows=None, blo
     a = torch.empty(1, H, dtype=dt, device=dev)
     iota = torch.empty(1, max(ni, 1), dtype=dt, device=dev)
     _hc_down_kernel[(row_blocks, nkc)](
-        x, norm, wd, wi, part, rstd, inj_prev, y, x_new, cnt if cnt is not None else rstd, m, iota, sh, g,
+        x, norm, wd, wi, part, rstd, inj_prev, y, x_new, cnt if cnt is not None else rstd, m, iota,
         H, R, ni, rt, nrbd, eps,
         S=S, KPS=kps, BR=br, BK=bk, HB=hb, NHB=triton.cdiv(H, hb), DT=TL_DTYPES[dt], WRITE=write is not None,
-        TICKETS=cnt is not None, COMBINE=combine, num_warps=warps_down or d["warps_down"], **pdl.launch(dev))
+        TICKETS=cnt is not None, num_warps=warps_down or d["warps_down"], **pdl.launch(dev))
     _hc_up_kernel[(triton.cdiv(H, bh),)](
         x_new, norm, rstd, wu, part, m, a, iota, H, R, ni, rt,
         S=S, SP=triton.next_power_of_2(S), NKC=nkc, BH=bh, RC=rc, NRC=triton.cdiv(R, rc),

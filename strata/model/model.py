@@ -14,7 +14,7 @@ import torch
 
 from strata.model.gdn import gdn_layer
 from strata.model.hyper import hc_read, hc_write_read
-from strata.model.moe import moe_branches, moe_write_read
+from strata.model.moe import moe_layer
 from strata.model.ops import Ops
 from strata.model.ple import ple_layer, ple_rows, ple_rows_into
 from strata.model.qsa import Rope, qsa_layer
@@ -35,12 +35,11 @@ class StepInputs:
 
 @dataclass
 class Carry:
-    """The residual state between layers: the S-stream state x, the last MoE block's write not yet applied
-    (inject, its parts before the combine: `moe_branches`) or None, and the rotary tables of the call's
-    positions (None without QSA layers)."""
+    """The residual state between layers: the S-stream state x, the last block's write not yet applied
+    (inject, y) or None, and the rotary tables of the call's positions (None without QSA layers)."""
 
     x: torch.Tensor
-    pending: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None
+    pending: tuple[torch.Tensor, torch.Tensor] | None
     rope: Rope | None
 
 
@@ -103,24 +102,23 @@ class Model:
         S, eps = cfg.hc_count, cfg.rms_norm_eps
         x, pending, rope = carry.x, carry.pending, carry.rope
         # Each block's write x += inject * y is deferred into the read that follows it (`ops.hc_write_read`, which
-        # a fast backend runs in the read's launches), and the MoE block's combine with it (`ops.moe_write_read`):
-        # `pending` holds the (inject, MoE parts) not yet applied. Only a PLE layer, whose mix reads the written
-        # state before the block's read, applies it on its own.
+        # a fast backend runs in the read's launches): `pending` holds the (inject, y) not yet applied. Only a
+        # PLE layer, whose mix reads the written state before the block's read, applies it on its own.
         for i in range(start, stop):
             if i in inputs.ple:
                 if pending is not None:
-                    x, pending = ops.hc_write(x, pending[0], ops.moe_combine(*pending[1])), None
+                    x, pending = ops.hc_write(x, *pending), None
                 x = x + ple_layer(x, inputs.ple[i], w, i, cfg, state.ple[i], ops)
             if pending is None:
                 a, inject = hc_read(x, w, f"L{i}.hc_attn", S, eps, ops)
             else:
-                x, a, inject = moe_write_read(x, *pending, w, f"L{i}.hc_attn", S, eps, ops)
+                x, a, inject = hc_write_read(x, *pending, w, f"L{i}.hc_attn", S, eps, ops)
             if cfg.is_linear(i):
                 y = gdn_layer(a, w, i, cfg, state.layers[i], ops)
             else:
                 y = qsa_layer(a, inputs.positions, rope, inputs.n_keys, w, i, cfg, state.layers[i], ops, static)
             x, a, inject = hc_write_read(x, inject, y, w, f"L{i}.hc_ffn", S, eps, ops)
-            pending = (inject, moe_branches(a, w, i, cfg, ops))
+            pending = (inject, moe_layer(a, w, i, cfg, ops))
         return Carry(x, pending, rope)
 
     def finish(self, carry: Carry) -> torch.Tensor:
@@ -129,7 +127,7 @@ class Model:
         if carry.pending is None:  # no layers
             h, _ = hc_read(carry.x, self.w, "final", S, eps, self.ops, inject=False)
         else:
-            _, h, _ = moe_write_read(carry.x, *carry.pending, self.w, "final", S, eps, self.ops, inject=False)
+            _, h, _ = hc_write_read(carry.x, *carry.pending, self.w, "final", S, eps, self.ops, inject=False)
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

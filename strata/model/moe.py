@@ -8,9 +8,7 @@ import torch
 
 from strata.config import ModelConfig
 from strata.model import topk
-from strata.model.hyper import hc_write_read_ref
 from strata.weights.schema import Weights
-from strata.weights.tensor import StoredTensor
 
 if TYPE_CHECKING:  # ops.py imports the references below
     from strata.model.ops import Ops
@@ -31,22 +29,10 @@ def moe_combine_ref(routed: torch.Tensor, gate_logit: torch.Tensor, shared: torc
     return routed + torch.sigmoid(gate_logit) * shared
 
 
-def moe_write_read_ref(x: torch.Tensor, inject_prev: torch.Tensor, routed: torch.Tensor, gate_logit: torch.Tensor,
-                       shared: torch.Tensor, norm: torch.Tensor, down: StoredTensor, up: StoredTensor,
-                       inject: StoredTensor | None, streams: int, eps: float, linear,
-                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """A MoE block's combine, its write and the next read: `hc_write_read_ref` of y = `moe_combine_ref`(routed,
-    gate_logit, shared). One op so that a fast backend can fold the combine into the read's launches too."""
-    y = moe_combine_ref(routed, gate_logit, shared)
-    return hc_write_read_ref(x, inject_prev, y, norm, down, up, inject, streams, eps, linear)
-
-
-def moe_branches(a: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, ops: Ops,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The routed experts' output (L, H), the shared expert's gate logit (L, 1) and its output (L, H): the MoE
-    block before its combine (`ops.moe_combine`, or folded into the write that follows, `ops.moe_write_read`).
-    The router and the shared expert's gate read the same input, so they go through one `linears` call; the
-    routed and the shared experts are independent `branches`."""
+def moe_layer(a: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, ops: Ops) -> torch.Tensor:
+    """Routed experts + sigmoid-gated shared expert, (L, H) -> (L, H). The router and the shared expert's gate
+    read the same input, so they go through one `linears` call; the routed and the shared experts are
+    independent `branches`."""
     p = f"L{layer}.moe."
 
     def routed() -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,14 +45,4 @@ def moe_branches(a: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, ops:
         return ops.mlp(a, w[p + "sh_gate"], w[p + "sh_up"], w[p + "sh_down"], ops.linear)
 
     (routed_y, gate_logit), shared_y = ops.branches(a, [routed, shared])
-    return routed_y, gate_logit, shared_y
-
-
-def moe_write_read(x: torch.Tensor, inject_prev: torch.Tensor, parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                   w: Weights, prefix: str, streams: int, eps: float, ops: Ops, inject: bool = True,
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The MoE block's combine (`moe_branches`' parts) and write, then the read of hyper-connection `prefix`,
-    through `ops.moe_write_read`."""
-    return ops.moe_write_read(x, inject_prev, *parts, w[prefix + ".norm"].dense(torch.float32, x.device),
-                              w[prefix + ".down"], w[prefix + ".up"], w[prefix + ".inject"] if inject else None,
-                              streams, eps, ops.linear)
+    return ops.moe_combine(routed_y, gate_logit, shared_y)

@@ -17,7 +17,7 @@ from strata.model.attention import attend_ref
 from strata.model.experts import experts_ref
 from strata.model.gdn import gdn_core_ref
 from strata.model.hyper import hc_read_ref, hc_write_read_ref, hc_write_ref
-from strata.model.moe import moe_combine_ref, moe_write_read_ref, route_ref
+from strata.model.moe import moe_combine_ref, route_ref
 from strata.model.ple import decode_rows_ref, ple_mix_ref
 from strata.model.qsa import Rope, norm_rope_ref, qsa_store_ref, select_tokens
 from strata.weights.tensor import StoredTensor
@@ -77,9 +77,6 @@ class Ops:
     # hc_write then hc_read: (x, inject_prev (L, S), y (L, H), norm, down, up, inject|None, S, eps, linear)
     # -> (x' (L, S*H), a, inject weights|None)
     hc_write_read: Callable = hc_write_read_ref
-    # moe_combine, then hc_write_read: (x, inject_prev, routed, gate_logit, shared, norm, down, up, inject|None, S,
-    # eps, linear) -> (x', a, inject weights|None)
-    moe_write_read: Callable = moe_write_read_ref
     # independent computations of one layer: (x, [fn, ...]) -> [fn() for each]; a backend may run them side by
     # side (x gives the device)
     branches: Callable = branches_ref

@@ -90,7 +90,7 @@ class StageTimes:
 
 _OP_STAGES = {"mlp": "shared", "attend": "qsa.attend", "select_tokens": "qsa.select", "gdn_core": "gdn.core", "hc_read": "hc",
               "route": "router", "moe_combine": "shared", "norm_rope": "qsa.norm_rope", "hc_write": "hc",
-              "ple_mix": "ple", "hc_write_read": "hc", "moe_write_read": "hc", "decode_rows": "ple", "qsa_store": "qsa.store"}
+              "ple_mix": "ple", "hc_write_read": "hc", "decode_rows": "ple", "qsa_store": "qsa.store"}
 
 
 def _stage_of_linear(name: str) -> str:
