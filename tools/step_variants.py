@@ -17,7 +17,7 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   release:at-wait            launches by expert ids let the next kernel in right after their wait
                              (`gemv_rr.RELEASE_AT_WAIT`)
   gdn:BV                     the GDN step with BV value columns per program (`gdn.gdn_step`'s block_v)
-  preload:KIND:N             launches of KIND load N K-loop steps before their PDL wait (`gemv_rr.PRELOAD`)
+  preload:KIND:N             launches of KIND (Q5_1_R) load N K-loop steps before their PDL wait (`gemv_rr.PRELOAD`)
   gemv-type:NAME:R,W,S       the generic GEMV's small one-token launches of type NAME with R rows and W warps per
                              program, K split S (`gemv.GemvType.small`, `small_split`; R = 0: no small shape)
   router:f32                 the router group stored in float32 as the GGUF stores it (not in the model dtype:

@@ -156,42 +156,21 @@ def _q8_0_r_fma(acc, raw, xp, sb, s, blk, k, base, ASM: tl.constexpr):
 
 @triton.jit
 def _q8_0_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr,
-                 ASM: tl.constexpr, GDC: tl.constexpr, PRE: tl.constexpr = 1):
-    """`_super_block_rows` for Q8_0_R rows: NCH groups of 256 weights; the first PRE loop steps' words (up to 6)
-    in flight before `pdl.wait(GDC)`."""
+                 ASM: tl.constexpr, GDC: tl.constexpr):
+    """`_super_block_rows` for Q8_0_R rows: NCH groups of 256 weights."""
     wp = rp.to(tl.pointer_type(tl.int32))[:, None, None, None]
     hp = rp.to(tl.pointer_type(tl.float16))[:, None, None, None]
     s = tl.arange(0, SBC)[None, :, None, None]
     blk = tl.arange(0, 8)[None, None, :, None]
     k = tl.arange(0, 4)[None, None, None, :]
     NIT: tl.constexpr = NCH // SBC
-    tl.static_assert(1 <= PRE and PRE <= 6 and PRE <= NIT, "preloaded steps: 1 .. min(6, loop steps)")
-    c0 = _q8_0_r_load(wp, hp, s, blk, k, D_STRIDE)
-    c1 = _q8_0_r_load(wp, hp, SBC + s, blk, k, D_STRIDE) if PRE > 1 else c0
-    c2 = _q8_0_r_load(wp, hp, 2 * SBC + s, blk, k, D_STRIDE) if PRE > 2 else c0
-    c3 = _q8_0_r_load(wp, hp, 3 * SBC + s, blk, k, D_STRIDE) if PRE > 3 else c0
-    c4 = _q8_0_r_load(wp, hp, 4 * SBC + s, blk, k, D_STRIDE) if PRE > 4 else c0
-    c5 = _q8_0_r_load(wp, hp, 5 * SBC + s, blk, k, D_STRIDE) if PRE > 5 else c0
+    nxt = _q8_0_r_load(wp, hp, s, blk, k, D_STRIDE)
     pdl.wait(GDC)
     acc = tl.zeros([BR, SBC, 8, 4], tl.float32)
-    if PRE < NIT:  # the next step's words go out before the preloaded steps' arithmetic
-        nxt = _q8_0_r_load(wp, hp, PRE * SBC + s, blk, k, D_STRIDE)
-    acc = _q8_0_r_fma(acc, c0, xp, 0, s, blk, k, base, ASM)
-    if PRE > 1:
-        acc = _q8_0_r_fma(acc, c1, xp, SBC, s, blk, k, base, ASM)
-    if PRE > 2:
-        acc = _q8_0_r_fma(acc, c2, xp, 2 * SBC, s, blk, k, base, ASM)
-    if PRE > 3:
-        acc = _q8_0_r_fma(acc, c3, xp, 3 * SBC, s, blk, k, base, ASM)
-    if PRE > 4:
-        acc = _q8_0_r_fma(acc, c4, xp, 4 * SBC, s, blk, k, base, ASM)
-    if PRE > 5:
-        acc = _q8_0_r_fma(acc, c5, xp, 5 * SBC, s, blk, k, base, ASM)
-    if PRE < NIT:
-        for it in tl.range(PRE, NIT):
-            cur = nxt
-            nxt = _q8_0_r_load(wp, hp, tl.minimum(it + 1, NIT - 1) * SBC + s, blk, k, D_STRIDE)
-            acc = _q8_0_r_fma(acc, cur, xp, it * SBC, s, blk, k, base, ASM)
+    for it in tl.range(0, NIT):
+        cur = nxt
+        nxt = _q8_0_r_load(wp, hp, tl.minimum(it + 1, NIT - 1) * SBC + s, blk, k, D_STRIDE)
+        acc = _q8_0_r_fma(acc, cur, xp, it * SBC, s, blk, k, base, ASM)
     return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
 
 
@@ -388,7 +367,7 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
                                 GDC and (IDS_EARLY or not HAS_IDS), KIND == "Q6_K_R")
     elif KIND == "Q8_0_R":
         res = _q8_0_r_rows(rp, xp, tl.full([BR, SBC, 8, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
-                           GDC and (IDS_EARLY or not HAS_IDS), PRE)
+                           GDC and (IDS_EARLY or not HAS_IDS))
     else:
         res = _q5_1_r_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
                            GDC and (IDS_EARLY or not HAS_IDS), PRE)
@@ -446,17 +425,17 @@ the routed down projections then read their expert ids and first weights while t
 4.604 ms per replay at 4K, H200, bench/results/2026-12-04-h200-step-variants-release-router.json; False for A/B
 runs, `tools/step_variants.py`)."""
 
-PRELOAD = {"Q8_0_R": 1, "Q5_1_R": 5}
+PRELOAD = {"Q5_1_R": 5}
 """Loop steps of a launch's K loop whose words are loaded before its PDL wait, by type (at most 6; the other types
 load one): more of the weights in flight while the kernel before runs, for more registers. In the 4K step on an
 H200 (bench/results/2026-12-04-h200-step-variants-preload.json): the routed down projections (Q5_1_R, five
-steps) with all five, 4.598-4.609 -> 4.568 ms per replay (their share of a layer's path 9.4 -> 7.2 us); two
-or more for Q8_0_R, which the projection groups share, made the step slower (4.67-4.72 ms: their early programs
-slow the HC read before them)."""
+steps) with all five, 4.598-4.609 -> 4.568 ms per replay (their share of a layer's path 9.4 -> 7.2 us). Two or
+more for Q8_0_R (the same code, measured on 53861cb), which the projection groups share, made the step slower
+(4.67-4.72 ms: their early programs slow the HC read before them)."""
 
 
 def preload_steps(kind: str, steps: int) -> int:
-    """The K-loop steps of a `kind` launch of `steps` steps loaded before its PDL wait (`PRELOAD`)."""
+    """The K-loop steps of a `kind` launch of `steps` steps loaded before its PDL wait (`PRELOAD`; Q5_1_R only)."""
     return max(1, min(PRELOAD.get(kind, 1), steps, 6))
 
 
