@@ -325,8 +325,8 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
     row's NCH chunks (of CHUNK_ELEMS weights in CHUNK_BYTES bytes, `CHUNK`). Rows past N are clamped to N - 1 and
     not stored. Byte strides; every row starts 16-byte aligned (the launcher checks). X_ROW_STRIDE is 0: x is
     addressed per tile row so its loads take the weight words' thread layout (one row per thread, so no load is
-    repeated). With GDC (PDL) the first chunk's words are
-    in flight before the wait, unless the matrix depends on expert ids that the previous kernel may still be
+    repeated). With GDC (PDL) the first chunk's words (the first PRE chunks' for Q5_1_R, `PRELOAD`) are in
+    flight before the wait, unless the matrix depends on expert ids that the previous kernel may still be
     waiting for: IDS_EARLY says they are settled (written before the previous kernel passed its own wait, see
     `gemv.gemv_experts_sum`), so they are read from L2 and the first chunk loaded before the wait as well.
 
