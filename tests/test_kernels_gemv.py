@@ -459,6 +459,17 @@ def test_in_model_dtype_stores_the_router_as_the_reference_rounds_it(tmp_path, m
         assert (got.float() - want.float()).abs().max() <= 2 ** -8 * want.float().abs().max()
 
 
+def test_bf16_small_launch_shape_is_the_routers_only() -> None:
+    """A one-token BF16 / F16 launch of a few hundred rows (the router group in a 16-bit model) takes the F32
+    router's small shape and K split; launches by expert id (an HF checkpoint's stacks) keep the plain shape."""
+    for name in ("BF16", "F16"):
+        t = G.gemv_type(name)
+        assert G._rows(t, 1, None, 513) == 2 and G._warps(t, 1, None, 513) == 4 and t.small_split == (5, 1)
+        assert G._rows(t, 1, None, 513, True) == t.block_n and G._warps(t, 1, None, 513, True) == t.num_warps
+    f32 = G.gemv_type("F32")
+    assert G._rows(f32, 1, None, 513, True) == f32.small[0]  # F32 as before: by id too
+
+
 def test_linears_triton_runs_a_fused_group_as_one_gemv(monkeypatch) -> None:
     rng = np.random.default_rng(10)
     parts = [QuantTensor(n, random_blocks("Q4_K", r, 512, rng), 12, (r, 512)) for n, r in (("q", 10), ("k", 4),

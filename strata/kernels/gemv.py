@@ -72,6 +72,7 @@ class GemvType:
         programs stream too few bytes each, so fewer rows per program (more programs) win.
     small_form: another decoder of the same bytes used for those small launches, where it measured faster.
     small_split: (plain, GLU) K splits for those small launches (split-K: more programs with shorter loops).
+    small_by_id: whether `small` and `small_split` apply to launches by expert id too.
     slots_block_n: rows per program of one-token expert launches (several matrices chosen by id), if not block_n.
     load, unpack: `decode` split in its loads and its arithmetic (decode = unpack(load(...))), for the GEMV's
         software-pipelined K loop (`_tile`); None: the loop calls `decode` whole.
@@ -94,6 +95,7 @@ class GemvType:
     f16_fields: tuple[int, ...] = ()
     small_form: GemvType | None = None
     small_split: tuple[int, int] = (1, 1)
+    small_by_id: bool = True
     slots_block_n: int | None = None
     load: Any = None
     unpack: Any = None
@@ -114,10 +116,12 @@ _TYPE_LIST: tuple[GemvType, ...] = (
     GemvType("F32", 0, 1, 4, gb.decode_dense, 2, 256, small=(2, 4), dense_dtype=torch.float32, small_split=(5, 1)),
     # F16 / BF16: the F32 router's small launches (the router group of a 16-bit model is stored in its dtype,
     # `placement.in_model_dtype`); without them (16 rows per program, no split) the BF16 router took 6.0 us of a
-    # layer's path against 4.5 for F32 (bench/results/2026-12-04-h200-step-variants-release-router.json)
-    GemvType("F16", 1, 1, 2, gb.decode_dense, 2, 512, small=(2, 4), dense_dtype=torch.float16, small_split=(5, 1)),
+    # layer's path against 4.5 for F32 (bench/results/2026-12-04-h200-step-variants-release-router.json). Not
+    # measured for expert stacks stored in them (an HF checkpoint's): those launches keep the plain shape.
+    GemvType("F16", 1, 1, 2, gb.decode_dense, 2, 512, small=(2, 4), dense_dtype=torch.float16, small_split=(5, 1),
+             small_by_id=False),
     GemvType("BF16", 30, 1, 2, gb.decode_dense, 2, 512, small=(2, 4), dense_dtype=torch.bfloat16,
-             small_split=(5, 1)),
+             small_split=(5, 1), small_by_id=False),
     GemvType("Q4_0", 2, 32, 18, gb.decode_q4_0, 4, 8, block_n=8, f16_fields=(0,)),
     GemvType("Q4_1", 3, 32, 20, gb.decode_q4_1, 6, 8, num_warps=8, f16_fields=(0, 2)),
     GemvType("Q5_0", 6, 32, 22, gb.decode_q5_0, 5, 8, f16_fields=(0,)),
@@ -577,8 +581,9 @@ def _decode_args(t: GemvType, k: int) -> tuple[int, dict[str, Any]]:
         "CHUNK_W": chunk_w, "CHUNK_X": nb * t.block_elems, "NB": nb}
 
 
-def _small(t: GemvType, n_tok: int, total_rows: int) -> bool:
-    return n_tok == 1 and t.small is not None and total_rows <= SMALL_LAUNCH_ROWS
+def _small(t: GemvType, n_tok: int, total_rows: int, by_id: bool = False) -> bool:
+    return (n_tok == 1 and t.small is not None and total_rows <= SMALL_LAUNCH_ROWS
+            and (t.small_by_id or not by_id))
 
 
 def _rows(t: GemvType, n_tok: int, block_n: int | None, total_rows: int = 1 << 30, slots: bool = False) -> int:
@@ -587,17 +592,17 @@ def _rows(t: GemvType, n_tok: int, block_n: int | None, total_rows: int = 1 << 3
     t_pad = triton.next_power_of_2(n_tok)
     if block_n is not None:
         return max(2, block_n // t_pad)
-    if _small(t, n_tok, total_rows):
+    if _small(t, n_tok, total_rows, slots):
         return t.small[0]
     if n_tok == 1 and slots and t.slots_block_n:
         return t.slots_block_n
     return t.block_n if n_tok == 1 else max(MULTI_TOKEN_ROWS, t.block_n // t_pad)
 
 
-def _warps(t: GemvType, n_tok: int, num_warps: int | None, total_rows: int = 1 << 30) -> int:
+def _warps(t: GemvType, n_tok: int, num_warps: int | None, total_rows: int = 1 << 30, by_id: bool = False) -> int:
     if num_warps:
         return num_warps
-    if _small(t, n_tok, total_rows):
+    if _small(t, n_tok, total_rows, by_id):
         return t.small[1]
     return t.num_warps if n_tok == 1 else MULTI_TOKEN_WARPS
 
@@ -675,7 +680,7 @@ def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | N
             and _launch_rr(t, x, w, ids, out, n, k, slots, w_slot_stride, x_slot_stride, out_slot_stride, up,
                            up_slot_stride, split_k, slot_weights, ids_settled=ids_settled)):
         return
-    if t.small_form is not None and _small(t, n_tok, n * slots):
+    if t.small_form is not None and _small(t, n_tok, n * slots, ids is not None):
         t = t.small_form
     n_chunks, dec = _decode_args(t, k)
     bn = _rows(t, n_tok, block_n, n * slots, ids is not None)
@@ -683,7 +688,7 @@ def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | N
         bn = max(2, bn // 2)  # rows of each matrix: the tile of gate and up rows is the plain kernel's
     t_pad = triton.next_power_of_2(n_tok)
     tiles = triton.cdiv(n, bn) * slots
-    if split_k is None and _small(t, n_tok, n * slots):
+    if split_k is None and _small(t, n_tok, n * slots, ids is not None):
         split_k = t.small_split[up is not None]
     summed = slot_weights is not None
     sk = 1 if summed else _split(split_k, n_chunks, tiles)
@@ -691,7 +696,7 @@ def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | N
     if cnt is None:
         sk = 1
     consts = dict(dec, T=n_tok, T_PAD=t_pad, HAS_IDS=ids is not None, SPLIT=sk,
-                  num_warps=_warps(t, n_tok, num_warps, n * slots), **pdl.launch(x.device))
+                  num_warps=_warps(t, n_tok, num_warps, n * slots, ids is not None), **pdl.launch(x.device))
     ids = ids if ids is not None else w
     if sk > 1 or summed:
         part = torch.empty(tiles * sk * (bn if up is None else 2 * bn) * t_pad, dtype=torch.float32, device=w.device)
