@@ -814,8 +814,8 @@ def gemv_experts_sum(x: torch.Tensor, w_data: torch.Tensor, expert_ids: torch.Te
     ids_settled: the ids were written before the launch just before this one in the stream passed its PDL wait,
     as when that launch is `gemv_experts_glu` over the same ids (every launch that reads expert ids lets the next
     kernel be scheduled only after its wait, so the routing that wrote them is complete). The launch then reads
-    the ids and its first weights while that launch is still running (the row-register kernel; others ignore it).
-    Not for ids written by the launch just before."""
+    the ids and its weights' first K-loop steps (`gemv_rr.PRELOAD`) while that launch is still running (the
+    row-register kernel; others ignore it). Not for ids written by the launch just before."""
     t = gemv_type(type_id)
     w = _weights(t, w_data, K, 3)
     _check_x(x, K, w)

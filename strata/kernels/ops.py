@@ -49,9 +49,9 @@ from L2; the alternative, the reference's host loop over distinct experts, costs
 launches and host syncs per layer."""
 
 SETTLED_IDS = True
-"""One token's routed down projections read the expert ids and their first weights before their PDL wait (the
-GLU launch between them and the routing waited for it: `gemv_experts_sum`'s `ids_settled`); False for A/B runs
-(`tools/step_variants.py`)."""
+"""One token's routed down projections read the expert ids, and load their weights' first K-loop steps
+(`gemv_rr.PRELOAD`), before their PDL wait (the GLU launch between them and the routing waited for it:
+`gemv_experts_sum`'s `ids_settled`); False for A/B runs (`tools/step_variants.py`)."""
 
 _FLOAT_X = (torch.float32, torch.float16, torch.bfloat16)
 
