@@ -45,7 +45,8 @@ class TypeMix:
     def describe(self) -> str:
         return (f"experts {self.experts}, expert down {self.expert_down}, attention/GDN {self.attention}, "
                 f"shared expert {self.shared}, HC {self.hyper}, head {self.head}, embed {self.embed}, "
-                f"PLE table {self.ple_table}, PLE proj {self.ple_proj}, router/norms F32")
+                f"PLE table {self.ple_table}, PLE proj {self.ple_proj}, router/norms F32 (a GPU stores the router group "
+                "in a 16-bit model's dtype: placement.in_model_dtype)")
 
     def type_of(self, name: str) -> str:
         part = name.split(".", 1)[1] if name.startswith("L") else name
