@@ -431,10 +431,10 @@ def test_gpu_layout_stores_q6_k_matrices_as_q6_k_r(monkeypatch) -> None:
 
 
 def test_in_model_dtype_stores_the_router_as_the_reference_rounds_it(tmp_path, monkeypatch) -> None:
-    """For a 16-bit model the GPU placement stores the float32 router and shared-expert gate in the model dtype,
-    back to back (one GEMV): the values `linear_ref` rounds them to at every call, so the group's outputs equal
-    the reference's products with the stored float32 weights; a float32 model, and other float32 tensors, keep
-    what is stored."""
+    """For a 16-bit model the GPU placement (`gpu_layout`) stores the float32 router and shared-expert gate in the
+    model dtype, back to back (one GEMV): the values `linear_ref` rounds them to at every call, so the group's
+    outputs equal the reference's products with the stored float32 weights; a float32 model, and other float32
+    tensors, keep what is stored."""
     from strata.weights.hf import load_hf
     from tests import reference
 
@@ -442,14 +442,14 @@ def test_in_model_dtype_stores_the_router_as_the_reference_rounds_it(tmp_path, m
     names = ("L0.moe.router", "L0.moe.sh_gate_inp")
     assert all(weights[n].tensor.dtype == torch.float32 for n in names)
     assert placement.in_model_dtype(weights, torch.float32) is weights
-    placed = placement.in_model_dtype(weights, torch.bfloat16)
+    placed = placement.gpu_layout(weights, dtype=torch.bfloat16)
     for n in names:
         assert placed[n].tensor.dtype == torch.bfloat16
         assert torch.equal(placed[n].tensor, weights[n].dense(torch.bfloat16))
     assert K_OPS.adjacent_span([placed[n].tensor for n in names]) is not None
     other = next(n for n, t in weights.tensors.items() if isinstance(t, DenseTensor) and not n.endswith(
         placement.MODEL_DTYPE_MATRICES) and t.tensor.dtype == torch.float32)
-    assert placed[other] is weights[other]
+    assert placement.in_model_dtype(weights, torch.bfloat16)[other] is weights[other]
     monkeypatch.setattr(K_OPS, "_on_gpu", lambda x: True)
     x = torch.randn(1, weights.cfg.hidden_size, generator=torch.Generator().manual_seed(15)).to(torch.bfloat16)
     ws = [weights[n] for n in names]

@@ -14,14 +14,12 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   select:removed             the QSA selection's launch left out of the graph (outputs from the warm-up)
   select:radix               the one-program radix select instead of the ranked one
   route:removed              the MoE routing's launch left out of the graph (ids and weights from the warm-up)
-  release:at-wait            launches by expert ids let the next kernel in right after their wait
-                             (`gemv_rr.RELEASE_AT_WAIT`)
+  release:after-loop         launches by expert ids let the next kernel in only after their K loop
+                             (`gemv_rr.RELEASE_AT_WAIT` off)
   gdn:BV                     the GDN step with BV value columns per program (`gdn.gdn_step`'s block_v)
   preload:KIND:N             launches of KIND (Q5_1_R) load N K-loop steps before their PDL wait (`gemv_rr.PRELOAD`)
   gemv-type:NAME:R,W,S       the generic GEMV's small one-token launches of type NAME with R rows and W warps per
                              program, K split S (`gemv.GemvType.small`, `small_split`; R = 0: no small shape)
-  router:f32                 the router group stored in float32 as the GGUF stores it (not in the model dtype:
-                             `placement.in_model_dtype`)
   ids-early:off              the routed down projections read the expert ids after their PDL wait
                              (`ops.SETTLED_IDS`)
   select:ranked:ROWS:CHUNK   the ranked selection with these knobs (`select.select_blocks_ranked`)
@@ -51,7 +49,7 @@ from strata.kernels import gemv as kernel_gemv  # noqa: E402
 from strata.kernels import ops as kernel_ops  # noqa: E402
 from strata.model.model import Model  # noqa: E402
 from strata.runtime import bench  # noqa: E402
-from strata.runtime.placement import fast_ops, gpu_layout, in_model_dtype  # noqa: E402
+from strata.runtime.placement import fast_ops, gpu_layout  # noqa: E402
 from strata.runtime.synthetic import TypeMix, real_config, synthetic_weights  # noqa: E402
 
 BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attention.select_blocks_ranked,
@@ -131,10 +129,8 @@ def _apply_one(variant: str) -> dict:
         gemv_rr.PRELOAD[args[0]] = int(args[1])
     elif name == "gdn" and len(args) == 1:
         gdn.gdn_step = functools.partial(BASE["gdn_step"], block_v=int(args[0]))
-    elif name == "router" and args == ["f32"]:
-        return {"weights": "f32"}
-    elif name == "release" and args == ["at-wait"]:
-        gemv_rr.RELEASE_AT_WAIT = True
+    elif name == "release" and args == ["after-loop"]:
+        gemv_rr.RELEASE_AT_WAIT = False
     elif name == "ids-early" and args == ["off"]:
         kernel_ops.SETTLED_IDS = False
     elif name == "select" and args == ["removed"]:
@@ -171,16 +167,14 @@ def main() -> int:
     dev = torch.device("cuda")
     pdl.set_enabled(True)
     bw = bench.copy_bandwidth(dev)
-    w32 = gpu_layout(synthetic_weights(real_config(), TypeMix(), dev), inplace=True)  # the router group as stored
-    w = in_model_dtype(w32, torch.bfloat16)  # as placement stores it for a bfloat16 model
+    w = gpu_layout(synthetic_weights(real_config(), TypeMix(), dev), inplace=True, dtype=torch.bfloat16)
     floor_ms = bench.token_bytes(w, args.context)["total"] / bw * 1e3
     report = {"commit": args.commit or bench.git_commit(), "gpu": torch.cuda.get_device_name(dev),
               "context": args.context, "floor_ms": floor_ms, "rows": []}
     print(f"{'variant':<34}{'replay ms':>10}{'ms/token':>10}{'GDN us':>8}{'QSA us':>8}", flush=True)
     for variant in args.variants:
         swaps = apply(variant)
-        weights = w32 if swaps.pop("weights", None) == "f32" else w
-        model = Model(weights, torch.bfloat16, dev, dataclasses.replace(fast_ops(streams=True), **swaps))
+        model = Model(w, torch.bfloat16, dev, dataclasses.replace(fast_ops(streams=True), **swaps))
         t0 = time.perf_counter()
         r = bench.bench_decode(model, args.context, args.tokens, 3, stage_table=False, profile=True,
                                timeline=True)

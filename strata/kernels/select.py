@@ -46,13 +46,22 @@ candidates on an H200: its shared-memory atomics serialise when keys share a dig
 positive scores of one magnitude are all equal."""
 BINS = 1 << DIGIT_BITS
 MAX_BLOCK = 16384  # larger chunks only add registers
+SIGN = tl.constexpr(-2147483648)
+"""The sign bit: (unsigned key) ^ SIGN compares as a signed int32 in the key's unsigned order."""
 
 
 @triton.jit
 def _ukey(s):
     """Key of fp32 scores whose unsigned order (as int32 bits) is the float order, -0.0 folded into +0.0."""
     b = (s + 0.0).to(tl.int32, bitcast=True)  # -0.0 + 0.0 = +0.0
-    return b ^ ((b >> 31) | -2147483648)  # negatives: flip all bits; others: flip the sign bit
+    return b ^ ((b >> 31) | SIGN)  # negatives: flip all bits; others: flip the sign bit
+
+
+@triton.jit
+def _query_row(s_ptr, s_sl):
+    """(p, l, row) of a many-program selection kernel: program p of query l and that query's score row."""
+    l = tl.program_id(1)
+    return tl.program_id(0), l, s_ptr + l.to(tl.int64) * s_sl
 
 
 @triton.jit
@@ -121,7 +130,6 @@ def _select_kernel(s_ptr, pos_ptr, idx_ptr, ok_ptr, NB, K, s_sl, s_il, s_ol,
     out_o = ok_ptr + l.to(tl.int64) * s_ol
     offs = tl.arange(0, BLOCK)
     bins = tl.arange(0, NBINS)
-    SIGN: tl.constexpr = -2147483648
 
     # --- radix select: the prefix `pre` (under `hmask`, unsigned key order) of the K-th largest key
     zero = tl.full([], 0, tl.int32)
@@ -337,10 +345,7 @@ def _rank_select_kernel(s_ptr, pos_ptr, idx_ptr, ok_ptr, NB, K, s_sl, s_il, s_ol
     another. Program 0 also writes the tail."""
     pdl.started(GDC)
     pdl.wait(GDC)
-    p = tl.program_id(0)
-    l = tl.program_id(1)
-    row = s_ptr + l.to(tl.int64) * s_sl
-    SIGN: tl.constexpr = -2147483648
+    p, l, row = _query_row(s_ptr, s_sl)
     i = p * BS + tl.arange(0, BS)
     im = i < NB
     si = tl.load(row + i, mask=im, other=0.0)
@@ -407,9 +412,7 @@ def _wide_pass_kernel(s_ptr, st_ptr, hist_ptr, cnt_ptr, NB, K, CH, P, s_sl,
     (need, prefix, mask, going) and puts the histogram and its ticket back to zero."""
     pdl.started(GDC)
     pdl.wait(GDC)
-    p = tl.program_id(0)
-    l = tl.program_id(1)
-    row = s_ptr + l.to(tl.int64) * s_sl
+    p, l, row = _query_row(s_ptr, s_sl)
     st = st_ptr + l * 4
     zero = tl.full([], 0, tl.int32)
     if FIRST:
@@ -446,10 +449,7 @@ def _wide_count_kernel(s_ptr, st_ptr, n_ptr, NB, K, CH, P, s_sl, BLOCK: tl.const
     """Per program: how many of its keys are above the selected prefix, and how many equal it (under its mask)."""
     pdl.started(GDC)
     pdl.wait(GDC)
-    p = tl.program_id(0)
-    l = tl.program_id(1)
-    row = s_ptr + l.to(tl.int64) * s_sl
-    SIGN: tl.constexpr = -2147483648
+    p, l, row = _query_row(s_ptr, s_sl)
     thr = tl.load(st_ptr + l * 4 + 1) ^ SIGN
     hmask = tl.load(st_ptr + l * 4 + 2)
     lo = p * CH
@@ -477,12 +477,9 @@ def _wide_compact_kernel(s_ptr, pos_ptr, st_ptr, n_ptr, idx_ptr, ok_ptr, NB, K, 
     tail."""
     pdl.started(GDC)
     pdl.wait(GDC)
-    p = tl.program_id(0)
-    l = tl.program_id(1)
-    row = s_ptr + l.to(tl.int64) * s_sl
+    p, l, row = _query_row(s_ptr, s_sl)
     out_i = idx_ptr + l.to(tl.int64) * s_il
     out_o = ok_ptr + l.to(tl.int64) * s_ol
-    SIGN: tl.constexpr = -2147483648
     thr = tl.load(st_ptr + l * 4 + 1) ^ SIGN
     hmask = tl.load(st_ptr + l * 4 + 2)
     q = tl.arange(0, PP)

@@ -51,24 +51,14 @@ copy holds the very values the reference multiplies with, in half the bytes."""
 
 def in_model_dtype(w: Weights, dtype: torch.dtype | None) -> Weights:
     """The weight set with its float32 MODEL_DTYPE_MATRICES in `dtype` (rounded as `DenseTensor.dense` rounds)
-    when that is float16 or bfloat16, each fused group they belong to stored back to back again (`fuse_rows`);
-    else w itself."""
+    when that is float16 or bfloat16, else w itself. Converted tensors are new buffers: `gpu_layout`, which calls
+    this, stores their groups back to back afterwards (`fuse_groups`)."""
     if dtype not in (torch.float16, torch.bfloat16):
         return w
-    tensors = dict(w.tensors)
-    changed = False
-    for name, t in w.tensors.items():
-        if (name.endswith(MODEL_DTYPE_MATRICES) and isinstance(t, DenseTensor) and len(t.shape) == 2
-                and t.tensor.dtype == torch.float32):
-            tensors[name] = DenseTensor(t.name, t.dense(dtype))
-            changed = True
-    if not changed:
-        return w
-    for i in range(w.cfg.num_hidden_layers):
-        for group in FUSED_GROUPS:
-            names = [f"L{i}.{n}" for n in group]
-            if any(n.endswith(MODEL_DTYPE_MATRICES) for n in names) and all(n in tensors for n in names):
-                tensors.update(zip(names, fuse_rows([tensors[n] for n in names]), strict=True))
+    tensors = {name: DenseTensor(t.name, t.dense(dtype))
+               if (name.endswith(MODEL_DTYPE_MATRICES) and isinstance(t, DenseTensor) and len(t.shape) == 2
+                   and t.tensor.dtype == torch.float32) else t
+               for name, t in w.tensors.items()}
     return Weights(w.cfg, tensors, w.gdn_value_order, w.source, w.unknown)
 
 
