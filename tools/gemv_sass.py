@@ -118,7 +118,7 @@ def compile_rr(kind: str, n: int, k: int, glu: bool = False, x_dtype: str = "bf1
                 out_slot_stride=0, BASE=RR._BASE[kind], X_ROW_STRIDE=0, D_STRIDE=1)
     consts = dict(KIND=kind, CHUNK_ELEMS=elems, CHUNK_BYTES=chunk_bytes, NCH=n_chunks, SBC=sbc, BR=br, GLU=glu,
                   HAS_IDS=False, ASM=True, SPLIT_SUM=G._split_sum, SPLIT=1, SLOT_SUM=0, IDS_EARLY=False,
-                  RELEASE_AT_WAIT=False, PRE=RR.preload_steps(kind, n_chunks // sbc), GDC=False)
+                  RELEASE=RR.AFTER_LOOP, PRE=RR.preload_steps(kind, n_chunks // sbc), GDC=False)
     sig, attrs = {}, {}
     for i, a in enumerate(RR._rr_kernel.arg_names):
         if a in consts:

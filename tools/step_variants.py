@@ -15,7 +15,7 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   select:radix               the one-program radix select instead of the ranked one
   route:removed              the MoE routing's launch left out of the graph (ids and weights from the warm-up)
   release:after-loop         launches by expert ids let the next kernel in only after their K loop
-                             (`gemv_rr.RELEASE_AT_WAIT` off)
+                             (`gemv_rr.RELEASE["ids"]`)
   gdn:BV                     the GDN step with BV value columns per program (`gdn.gdn_step`'s block_v)
   preload:KIND:N             launches of KIND (Q5_1_R) load N K-loop steps before their PDL wait (`gemv_rr.PRELOAD`)
   gemv-type:NAME:R,W,S       the generic GEMV's small one-token launches of type NAME with R rows and W warps per
@@ -25,6 +25,14 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   select:ranked:ROWS:CHUNK   the ranked selection with these knobs (`select.select_blocks_ranked`)
   attend:SPLIT:BW            QSA attention with SPLIT keys per program in steps of BW (`attention.attend`)
   hc:I                       the HC read's knobs set to `hyper.hc_read_configs(...)[I]` (but its `finish_in_down`)
+  release-plain:M            row-register launches without expert ids let the next kernel in after their K loop
+                             (0), right after their PDL wait (1) or first (2) (`gemv_rr.RELEASE["plain"]`)
+  release-settled:M          the same for launches by settled expert ids (the routed down projections)
+  release-rows:N:M           as release-plain:M for launches of N rows only
+  qsa-store:first            the QSA cache-write kernel lets the next kernel in first, not after its PDL wait
+                             (`qsa_store.RELEASE_AT_WAIT`)
+  priority:P0,P1             CUDA stream priorities of the capture lane and the side branch's lane (made anew;
+                             `streams.LANE_PRIORITY`; at most two settings per process: ticket regions)
   shape:KIND:NCH:LO:HI:BR,SBC,WARPS,SPLIT
                              row-register launches of KIND over NCH chunks with LO <= row tiles < HI in this
                              launch shape (`gemv_rr.launch_shape`)
@@ -44,18 +52,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from strata.kernels import attention, gdn, gemv_rr, hyper, moe, pdl  # noqa: E402
+from strata.kernels import attention, gdn, gemv_rr, hyper, moe, pdl, qsa_store  # noqa: E402
 from strata.kernels import gemv as kernel_gemv  # noqa: E402
 from strata.kernels import ops as kernel_ops  # noqa: E402
 from strata.model.model import Model  # noqa: E402
-from strata.runtime import bench  # noqa: E402
+from strata.runtime import bench, streams  # noqa: E402
 from strata.runtime.placement import fast_ops, gpu_layout  # noqa: E402
 from strata.runtime.synthetic import TypeMix, real_config, synthetic_weights  # noqa: E402
 
 BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attention.select_blocks_ranked,
         "RANK_SELECT_MAX_BLOCKS": attention.RANK_SELECT_MAX_BLOCKS, "attend": attention.attend,
         "hc_read_defaults": hyper.hc_read_defaults, "launch_shape": gemv_rr.launch_shape,
-        "SETTLED_IDS": kernel_ops.SETTLED_IDS, "RELEASE_AT_WAIT": gemv_rr.RELEASE_AT_WAIT,
+        "SETTLED_IDS": kernel_ops.SETTLED_IDS, "RELEASE": dict(gemv_rr.RELEASE), "rr_launch": gemv_rr.launch,
+        "QSA_STORE_RELEASE_AT_WAIT": qsa_store.RELEASE_AT_WAIT,
         "gdn_step": gdn.gdn_step, "PRELOAD": dict(gemv_rr.PRELOAD),
         "GEMV_TYPE_NAMES": dict(kernel_gemv.GEMV_TYPE_NAMES)}
 
@@ -92,6 +101,27 @@ def _shape_override(kind: str, n_chunks: int, lo: int, hi: int, shape: tuple[int
     return launch_shape
 
 
+def _release_for_rows(rows: int, mode: int):
+    """`gemv_rr.launch` with `RELEASE["plain"]` = mode for launches of `rows` rows."""
+    def launch(kind, x, w, ids, out, n, *a, **kw):
+        if n != rows:
+            return BASE["rr_launch"](kind, x, w, ids, out, n, *a, **kw)
+        before, gemv_rr.RELEASE["plain"] = gemv_rr.RELEASE["plain"], mode
+        try:
+            return BASE["rr_launch"](kind, x, w, ids, out, n, *a, **kw)
+        finally:
+            gemv_rr.RELEASE["plain"] = before
+    return launch
+
+
+def _set_priorities(prio: dict[int, int]) -> None:
+    """Lane priorities for the streams made from now on; the lanes' streams are made anew when they change."""
+    if prio != streams.LANE_PRIORITY:
+        streams.LANE_PRIORITY.clear()
+        streams.LANE_PRIORITY.update(prio)
+        streams._streams.clear()
+
+
 def apply(variant: str) -> dict:
     """Reset every patch, then apply those of `variant`'s parts (see the module docstring); the op table
     entries they swap."""
@@ -102,10 +132,14 @@ def apply(variant: str) -> dict:
     hyper.hc_read_defaults = BASE["hc_read_defaults"]
     gemv_rr.launch_shape = BASE["launch_shape"]
     kernel_ops.SETTLED_IDS = BASE["SETTLED_IDS"]
-    gemv_rr.RELEASE_AT_WAIT = BASE["RELEASE_AT_WAIT"]
+    gemv_rr.RELEASE.update(BASE["RELEASE"])
+    gemv_rr.launch = BASE["rr_launch"]
+    qsa_store.RELEASE_AT_WAIT = BASE["QSA_STORE_RELEASE_AT_WAIT"]
     gdn.gdn_step = BASE["gdn_step"]
     gemv_rr.PRELOAD.clear()
     gemv_rr.PRELOAD.update(BASE["PRELOAD"])
+    if not any(p.startswith("priority:") for p in variant.split("+")):
+        _set_priorities({})
     for t in BASE["GEMV_TYPE_NAMES"].values():
         kernel_gemv.GEMV_TYPE_NAMES[t.name] = kernel_gemv.GEMV_TYPES[t.type_id] = t
     swaps = {}
@@ -130,7 +164,18 @@ def _apply_one(variant: str) -> dict:
     elif name == "gdn" and len(args) == 1:
         gdn.gdn_step = functools.partial(BASE["gdn_step"], block_v=int(args[0]))
     elif name == "release" and args == ["after-loop"]:
-        gemv_rr.RELEASE_AT_WAIT = False
+        gemv_rr.RELEASE["ids"] = gemv_rr.AFTER_LOOP
+    elif name == "release-plain" and len(args) == 1:
+        gemv_rr.RELEASE["plain"] = int(args[0])
+    elif name == "release-settled" and len(args) == 1:
+        gemv_rr.RELEASE["settled-ids"] = int(args[0])
+    elif name == "release-rows" and len(args) == 2:
+        gemv_rr.launch = _release_for_rows(int(args[0]), int(args[1]))
+    elif name == "qsa-store" and args == ["first"]:
+        qsa_store.RELEASE_AT_WAIT = False
+    elif name == "priority" and len(args) == 1:
+        p0, p1 = (int(v) for v in args[0].split(","))
+        _set_priorities({streams.CAPTURE_LANE: p0, streams.CAPTURE_LANE + 1: p1})
     elif name == "ids-early" and args == ["off"]:
         kernel_ops.SETTLED_IDS = False
     elif name == "select" and args == ["removed"]:

@@ -156,7 +156,7 @@ def _q8_0_r_fma(acc, raw, xp, sb, s, blk, k, base, ASM: tl.constexpr):
 
 @triton.jit
 def _q8_0_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr,
-                 ASM: tl.constexpr, GDC: tl.constexpr):
+                 ASM: tl.constexpr, GDC: tl.constexpr, REL: tl.constexpr = False):
     """`_super_block_rows` for Q8_0_R rows: NCH groups of 256 weights."""
     wp = rp.to(tl.pointer_type(tl.int32))[:, None, None, None]
     hp = rp.to(tl.pointer_type(tl.float16))[:, None, None, None]
@@ -166,6 +166,8 @@ def _q8_0_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, B
     NIT: tl.constexpr = NCH // SBC
     nxt = _q8_0_r_load(wp, hp, s, blk, k, D_STRIDE)
     pdl.wait(GDC)
+    if REL:
+        pdl.started(GDC)
     acc = tl.zeros([BR, SBC, 8, 4], tl.float32)
     for it in tl.range(0, NIT):
         cur = nxt
@@ -200,7 +202,7 @@ def _q5_1_r_fma(acc, raw, xp, sb, s, blk, k, base, ASM: tl.constexpr):
 
 @triton.jit
 def _q5_1_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr,
-                 ASM: tl.constexpr, GDC: tl.constexpr, PRE: tl.constexpr = 1):
+                 ASM: tl.constexpr, GDC: tl.constexpr, PRE: tl.constexpr = 1, REL: tl.constexpr = False):
     """`_super_block_rows` for Q5_1_R rows: NCH groups of 128 weights (four blocks; a thread takes one block's 16 nibble
     bytes). The fifth bits land on bit 4 of each byte by one shift and one masked OR (`repack.py` placed them),
     and w = d q + m = fma(0.5 + q / 256, 256 d, m - 128 d). The first PRE loop steps' words (up to 6) are in
@@ -218,6 +220,8 @@ def _q5_1_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, B
     c4 = _q5_1_r_load(wp, 4 * SBC + s, blk, k, D_STRIDE) if PRE > 4 else c0
     c5 = _q5_1_r_load(wp, 5 * SBC + s, blk, k, D_STRIDE) if PRE > 5 else c0
     pdl.wait(GDC)
+    if REL:
+        pdl.started(GDC)
     acc = tl.zeros([BR, SBC, 4, 4], tl.float32)
     if PRE < NIT:  # the next step's words go out before the preloaded steps' arithmetic
         nxt = _q5_1_r_load(wp, PRE * SBC + s, blk, k, D_STRIDE)
@@ -280,7 +284,7 @@ def _q6_k_r_fma(acc, raw, xb, c, base, ASM: tl.constexpr):
 
 @triton.jit
 def _super_block_rows(rp, xp, base, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr, ASM: tl.constexpr,
-                      GDC: tl.constexpr, Q6: tl.constexpr):
+                      GDC: tl.constexpr, Q6: tl.constexpr, REL: tl.constexpr = False):
     """[BR] fp32: the Q4_K_R rows (Q6_K_R with Q6) at byte pointers rp (16-byte aligned) times x at xp ([BR, 1, 1,
     1] pointers, one x), NCH super-blocks, SBC per loop step, the next step's words loaded before this one's
     arithmetic. The first step's words are in flight before `pdl.wait(GDC)`."""
@@ -291,6 +295,8 @@ def _super_block_rows(rp, xp, base, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl
     NIT: tl.constexpr = NCH // SBC
     nxt = _q6_k_r_load(wp, s, c, k) if Q6 else _q4_k_r_load(wp, s, c, k)
     pdl.wait(GDC)
+    if REL:
+        pdl.started(GDC)
     acc = tl.zeros([BR, SBC, 4, 4], tl.float32)
     for it in tl.range(0, NIT):
         cur = nxt
@@ -316,7 +322,7 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
                KIND: tl.constexpr, CHUNK_ELEMS: tl.constexpr, CHUNK_BYTES: tl.constexpr, NCH: tl.constexpr,
                SBC: tl.constexpr, BR: tl.constexpr, GLU: tl.constexpr,
                HAS_IDS: tl.constexpr, ASM: tl.constexpr, SPLIT_SUM: tl.constexpr, SPLIT: tl.constexpr = 1,
-               SLOT_SUM: tl.constexpr = 0, IDS_EARLY: tl.constexpr = False, RELEASE_AT_WAIT: tl.constexpr = False,
+               SLOT_SUM: tl.constexpr = 0, IDS_EARLY: tl.constexpr = False, RELEASE: tl.constexpr = 0,
                PRE: tl.constexpr = 1, GDC: tl.constexpr = False):
     """out[slot, rows] = W[slot's matrix][rows] . x[slot], or with GLU act(G . x) * (U . x), for one token.
 
@@ -335,14 +341,16 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
     rows] = sum over the k slots in order of sw[slot] * (the slot's product), by the same tickets over the slots:
     the routed experts' down projections and their weighted sum in one launch.
 
-    PDL: the next kernel is let in only once every program is past its K loop (`pdl.started` there, not first):
-    launched early, its programs would hold SM slots that this kernel's waves need (Q4_K_R 10240 x 2560 11.3 us
-    without PDL, 15.8 with `started` first; H200). Launches by expert ids that wait first let it in right after
-    their wait with RELEASE_AT_WAIT (the routed GLU, whose successor reads its settled ids early)."""
+    PDL: RELEASE says where the next kernel is let in (`pdl.started`, see `RELEASE`): AFTER_LOOP once every
+    program is past its K loop, AT_WAIT right after this kernel's PDL wait, FIRST before its first load (for a
+    launch by unsettled expert ids, which waits first, FIRST is AT_WAIT)."""
     if HAS_IDS and not IDS_EARLY:
         pdl.wait(GDC)
-        if RELEASE_AT_WAIT:
+        if RELEASE != 0:
             pdl.started(GDC)
+    elif RELEASE == 2:
+        pdl.started(GDC)
+    REL: tl.constexpr = RELEASE == 1 and (IDS_EARLY or not HAS_IDS)  # started by the K loop's helper, at its wait
     pid = tl.program_id(0)
     slot = tl.program_id(1).to(tl.int64)
     part = tl.program_id(2)
@@ -364,14 +372,14 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
     xp = (x_ptr + slot * x_slot_stride + part * (NC * CHUNK_ELEMS) + r * X_ROW_STRIDE)[:, None, None, None]
     if KIND == "Q4_K_R" or KIND == "Q6_K_R":
         res = _super_block_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, NC, SBC, BR, ASM,
-                                GDC and (IDS_EARLY or not HAS_IDS), KIND == "Q6_K_R")
+                                GDC and (IDS_EARLY or not HAS_IDS), KIND == "Q6_K_R", REL)
     elif KIND == "Q8_0_R":
         res = _q8_0_r_rows(rp, xp, tl.full([BR, SBC, 8, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
-                           GDC and (IDS_EARLY or not HAS_IDS))
+                           GDC and (IDS_EARLY or not HAS_IDS), REL)
     else:
         res = _q5_1_r_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
-                           GDC and (IDS_EARLY or not HAS_IDS), PRE)
-    if not (RELEASE_AT_WAIT and HAS_IDS and not IDS_EARLY):
+                           GDC and (IDS_EARLY or not HAS_IDS), PRE, REL)
+    if RELEASE == 0:
         pdl.started(GDC)
     last = 1
     optr = out_ptr + slot * out_slot_stride
@@ -419,11 +427,22 @@ def launch_shape(kind: str, n_chunks: int, tiles: int = 1 << 30) -> tuple[int, i
     return br, sbc, warps, split
 
 
-RELEASE_AT_WAIT = True
-"""Launches by expert ids let the next kernel be scheduled right after their wait instead of after their K loop:
-the routed down projections then read their expert ids and first weights while the routed GLU runs (4.643 ->
-4.604 ms per replay at 4K, H200, bench/results/2026-12-04-h200-step-variants-release-router.json; False for A/B
-runs, `tools/step_variants.py`)."""
+AFTER_LOOP, AT_WAIT, FIRST = 0, 1, 2
+
+RELEASE = {"plain": AT_WAIT, "ids": AT_WAIT, "settled-ids": AFTER_LOOP}
+"""Where a launch lets the next kernel be scheduled, by launch class: without expert ids ("plain"), by expert ids
+it waits for ("ids": the routed GLU), by settled expert ids ("settled-ids": the routed down projections, which
+read them before their wait). Measured in the 4K step on an H200 (`tools/step_variants.py`):
+
+* "ids" AT_WAIT against AFTER_LOOP: the routed down projections then read their expert ids and first weights while
+  the routed GLU runs, 4.643 -> 4.604 ms per replay (bench/results/2026-12-04-h200-step-variants-release-router.json);
+* "plain" AT_WAIT against AFTER_LOOP: the next kernel is launched and loads its weights while this one streams
+  (the HC read after an out projection 7.1 -> 4.6 us of a layer's path), with the QSA cache-write kernel letting
+  its own successors in only after its wait (`qsa_store.RELEASE_AT_WAIT`): 4.527-4.541 -> 4.384-4.387 ms
+  (bench/results/2026-12-04-h200-step-variants-release-plain.json). FIRST was slower than either (4.567-4.570):
+  the chain of kernels behind it is launched while this one still waits for its predecessor. Alone, back to back
+  with itself, a launch that lets the next one in early is slower (Q4_K_R 10240 x 2560 11.3 us without PDL, 15.8
+  with FIRST): its successor's programs hold SM slots; in the step the successors are other, smaller launches."""
 
 PRELOAD = {"Q5_1_R": 5}
 """Loop steps of a launch's K loop whose words are loaded before its PDL wait, by type (at most 6; the other types
@@ -477,5 +496,6 @@ def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None
         KIND=kind, CHUNK_ELEMS=CHUNK[kind][0], CHUNK_BYTES=CHUNK[kind][1], NCH=k // CHUNK[kind][0], SBC=sbc, BR=br,
         GLU=glu, HAS_IDS=ids is not None, ASM=x.device.type == "cuda", SPLIT_SUM=split_sum, SPLIT=split,
         SLOT_SUM=slots if slot_weights is not None else 0, IDS_EARLY=ids_early and ids is not None,
-        RELEASE_AT_WAIT=RELEASE_AT_WAIT, PRE=preload_steps(kind, k // CHUNK[kind][0] // (split * sbc)),
+        RELEASE=RELEASE["plain" if ids is None else "settled-ids" if ids_early else "ids"],
+        PRE=preload_steps(kind, k // CHUNK[kind][0] // (split * sbc)),
         num_warps=warps, **gdc)

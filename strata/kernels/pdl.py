@@ -14,9 +14,12 @@ The rule every kernel here follows:
     wait(GDC)                    # before any other load and before every store
     ... the rest ...
 
-A kernel whose loads depend on what the previous kernel may still be waiting for (expert ids written by the
-routing) waits first and calls `started` after its wait; so the kernel after it may read those ids before its own
-wait (`gemv.gemv_experts_sum`'s `ids_settled`).
+`started` may come later where letting the next kernel in early costs more than it saves: the row-register
+GEMVs call it right after their wait (`gemv_rr.RELEASE`, measured per launch class), the QSA cache-write kernel
+too (`qsa_store.RELEASE_AT_WAIT`). Only where it sits relative to `wait` can matter for correctness: a kernel
+whose loads depend on what the previous kernel may still be waiting for (expert ids written by the routing) waits
+first and calls `started` only after its wait; so the kernel after it may read those ids before its own wait
+(`gemv.gemv_experts_sum`'s `ids_settled`).
 
 With GDC False (the CPU, the Triton interpreter, GPUs before Hopper, or PDL switched off) both calls compile to
 nothing and the launch is a plain one; a kernel launched plainly may still run them (they are then no-ops).
