@@ -29,8 +29,9 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
                              (0), right after their PDL wait (1) or first (2) (`gemv_rr.RELEASE["plain"]`)
   release-settled:M          the same for launches by settled expert ids (the routed down projections)
   release-rows:N:M           as release-plain:M for launches of N rows only
-  qsa-store:first            the QSA cache-write kernel lets the next kernel in first, not after its PDL wait
-                             (`qsa_store.RELEASE_AT_WAIT`)
+  late:NAME:0|1              the kernel NAME (a `pdl.LATE_RELEASE` key: qsa_store, gdn_step, route, combine,
+                             hc_down, hc_up) lets the next kernel in after its PDL wait (1) or first (0)
+  streams:off                the shared expert on the caller's stream, after the routed experts (no side stream)
   priority:P0,P1             CUDA stream priorities of the capture lane and the side branch's lane (made anew;
                              `streams.LANE_PRIORITY`; at most two settings per process: ticket regions)
   shape:KIND:NCH:LO:HI:BR,SBC,WARPS,SPLIT
@@ -52,10 +53,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from strata.kernels import attention, gdn, gemv_rr, hyper, moe, pdl, qsa_store  # noqa: E402
+from strata.kernels import attention, gdn, gemv_rr, hyper, moe, pdl  # noqa: E402
 from strata.kernels import gemv as kernel_gemv  # noqa: E402
 from strata.kernels import ops as kernel_ops  # noqa: E402
 from strata.model.model import Model  # noqa: E402
+from strata.model.ops import branches_ref  # noqa: E402
 from strata.runtime import bench, streams  # noqa: E402
 from strata.runtime.placement import fast_ops, gpu_layout  # noqa: E402
 from strata.runtime.synthetic import TypeMix, real_config, synthetic_weights  # noqa: E402
@@ -64,7 +66,7 @@ BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attent
         "RANK_SELECT_MAX_BLOCKS": attention.RANK_SELECT_MAX_BLOCKS, "attend": attention.attend,
         "hc_read_defaults": hyper.hc_read_defaults, "launch_shape": gemv_rr.launch_shape,
         "SETTLED_IDS": kernel_ops.SETTLED_IDS, "RELEASE": dict(gemv_rr.RELEASE), "rr_launch": gemv_rr.launch,
-        "QSA_STORE_RELEASE_AT_WAIT": qsa_store.RELEASE_AT_WAIT,
+        "LATE_RELEASE": dict(pdl.LATE_RELEASE),
         "gdn_step": gdn.gdn_step, "PRELOAD": dict(gemv_rr.PRELOAD),
         "GEMV_TYPE_NAMES": dict(kernel_gemv.GEMV_TYPE_NAMES)}
 
@@ -134,7 +136,7 @@ def apply(variant: str) -> dict:
     kernel_ops.SETTLED_IDS = BASE["SETTLED_IDS"]
     gemv_rr.RELEASE.update(BASE["RELEASE"])
     gemv_rr.launch = BASE["rr_launch"]
-    qsa_store.RELEASE_AT_WAIT = BASE["QSA_STORE_RELEASE_AT_WAIT"]
+    pdl.LATE_RELEASE.update(BASE["LATE_RELEASE"])
     gdn.gdn_step = BASE["gdn_step"]
     gemv_rr.PRELOAD.clear()
     gemv_rr.PRELOAD.update(BASE["PRELOAD"])
@@ -171,8 +173,10 @@ def _apply_one(variant: str) -> dict:
         gemv_rr.RELEASE["settled-ids"] = int(args[0])
     elif name == "release-rows" and len(args) == 2:
         gemv_rr.launch = _release_for_rows(int(args[0]), int(args[1]))
-    elif name == "qsa-store" and args == ["first"]:
-        qsa_store.RELEASE_AT_WAIT = False
+    elif name == "late" and len(args) == 2 and args[0] in pdl.LATE_RELEASE:
+        pdl.LATE_RELEASE[args[0]] = bool(int(args[1]))
+    elif name == "streams" and args == ["off"]:
+        return {"branches": branches_ref}
     elif name == "priority" and len(args) == 1:
         p0, p1 = (int(v) for v in args[0].split(","))
         _set_priorities({streams.CAPTURE_LANE: p0, streams.CAPTURE_LANE + 1: p1})

@@ -114,11 +114,10 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
                      NK, NV, DK, DV, KEY_DIM, REP, NVB, q_scale, eps,
                      K: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr,
                      TILED: tl.constexpr, SILU: tl.constexpr, SILU_GATE: tl.constexpr, DT: tl.constexpr,
-                     FUSED: tl.constexpr, GDC: tl.constexpr = False):
+                     FUSED: tl.constexpr, GDC: tl.constexpr = False, LATE: tl.constexpr = False):
     """The step of one (dk, BV) state slab; with FUSED also the gated norm and the conv window shift (tickets
     in cnt: NV value-head counters, then NK key-head counters), else `_gdn_out_kernel` does those."""
-    pdl.started(GDC)
-    pdl.wait(GDC)
+    pdl.enter(GDC, LATE)
     j = tl.program_id(0)  # value head
     vb = tl.program_id(1)  # dv block
     if TILED:
@@ -235,7 +234,7 @@ def gdn_step(x: torch.Tensor, z: torch.Tensor, b: torch.Tensor, alpha: torch.Ten
         nk, nv, dk, dv, cfg.gdn_key_dim, nv // nk, nvb, dk ** -0.5, cfg.rms_norm_eps,
         K=K, KP=triton.next_power_of_2(K), BK=triton.next_power_of_2(dk), BV=bv, BD=bd,
         TILED=prm.value_order == "tiled", SILU=cfg.hidden_act == "silu", SILU_GATE=silu_gate, DT=TL_DTYPES[dt],
-        FUSED=cnt is not None, **pdl.launch(x.device))
+        FUSED=cnt is not None, **pdl.launch(x.device, "gdn_step"))
     if cnt is None:  # no ticket counters on this stream: the norm and shift in a second launch
         ch_per = triton.cdiv(C, nv)
         _gdn_out_kernel[(nv,)](

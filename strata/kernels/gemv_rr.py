@@ -438,7 +438,7 @@ read them before their wait). Measured in the 4K step on an H200 (`tools/step_va
   the routed GLU runs, 4.643 -> 4.604 ms per replay (bench/results/2026-12-04-h200-step-variants-release-router.json);
 * "plain" AT_WAIT against AFTER_LOOP: the next kernel is launched and loads its weights while this one streams
   (the HC read after an out projection 7.1 -> 4.6 us of a layer's path), with the QSA cache-write kernel letting
-  its own successors in only after its wait (`qsa_store.RELEASE_AT_WAIT`): 4.527-4.541 -> 4.384-4.387 ms
+  its own successors in only after its wait (`pdl.LATE_RELEASE`): 4.527-4.541 -> 4.384-4.387 ms
   (bench/results/2026-12-04-h200-step-variants-release-plain.json). FIRST was slower than either (4.567-4.570):
   the chain of kernels behind it is launched while this one still waits for its predecessor. Alone, back to back
   with itself, a launch that lets the next one in early is slower (Q4_K_R 10240 x 2560 11.3 us without PDL, 15.8

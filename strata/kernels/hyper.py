@@ -54,7 +54,7 @@ def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, wi_p
                     iota_ptr, H, R, NI, RT, NRBD, eps,
                     S: tl.constexpr, KPS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr,
                     NHB: tl.constexpr, DT: tl.constexpr, WRITE: tl.constexpr, TICKETS: tl.constexpr,
-                    GDC: tl.constexpr = False):
+                    GDC: tl.constexpr = False, LATE: tl.constexpr = False):
     """part[pk, row] = sum over the chunk's k of W[row, k] * GN(x)[k] (fp32) for BR rows; rstd[s] by one
     program per stream. All global loads come first: the compiler does not move loads above the barriers of
     the reductions, so this is what puts the weight tile in flight together with the statistics.
@@ -68,8 +68,9 @@ def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, wi_p
     partials in chunk order and stores the finished rows: m = SiLU(round(sum) / S) (fp32, to m) for down rows,
     iota = 2 sigma(round(sum) / S) for inject rows; so the up programs load m instead of each summing every
     partial again (640 x 25 KB of L2 reads per read at the real geometry). Same sums, same order: same bits. GDC (PDL): the weight tile and norm scales
-    are loaded before the wait for the previous kernel, the state after."""
-    pdl.started(GDC)
+    are loaded before the wait for the previous kernel, the state after (LATE: `pdl.LATE_RELEASE`)."""
+    if not LATE:
+        pdl.started(GDC)
     pr = tl.program_id(0)
     pk = tl.program_id(1)
     s = pk // KPS
@@ -90,6 +91,8 @@ def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, wi_p
     w = tl.load(wrow[:, None] + k, mask=rm[:, None] & km, other=0.0)
     nv = tl.load(norm_ptr + k, mask=km, other=0.0)
     pdl.wait(GDC)
+    if LATE:
+        pdl.started(GDC)
     xv = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
     if WRITE:
         wis = tl.load(wi_ptr + s).to(tl.float32)
@@ -134,14 +137,16 @@ def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, wi_p
 def _hc_up_kernel(x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, m_ptr, a_ptr, iota_ptr, H, R, NI, RT,
                   S: tl.constexpr, SP: tl.constexpr, NKC: tl.constexpr, BH: tl.constexpr, RC: tl.constexpr,
                   NRC: tl.constexpr, NIP: tl.constexpr, DT: tl.constexpr, TICKETS: tl.constexpr,
-                  GDC: tl.constexpr = False):
+                  GDC: tl.constexpr = False, LATE: tl.constexpr = False):
     """a[i] = mean_s GN(x)[s, i] * sigma((W_up m)[s*H + i]) for BH features i, m = SiLU((sum of the down
     partials) / S); the last program also writes iota = 2 sigma((sum of the inject partials) / S). The loads
     come first for the same reason as in the down kernel; the loop over NRC column chunks has no barrier, so
     the compiler may issue all chunks' loads together, but that is its choice (NRC = 1 leaves it none).
     GDC (PDL): the norm scales and the first column chunk of W_up are loaded before the wait for the down
-    kernel, everything it wrote after. TICKETS: the down kernel finished m and iota (see there); m is loaded."""
-    pdl.started(GDC)
+    kernel, everything it wrote after. TICKETS: the down kernel finished m and iota (see there); m is loaded.
+    LATE: `pdl.LATE_RELEASE`."""
+    if not LATE:
+        pdl.started(GDC)
     pid = tl.program_id(0)
     ni = tl.where(pid == tl.num_programs(0) - 1, NI, 0)  # inject rows this program handles
     sv = tl.arange(0, SP)
@@ -153,6 +158,8 @@ def _hc_up_kernel(x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, m_ptr, a_ptr, iot
     w0 = tl.load(up_ptr + row[:, :, None] * R + r0[None, None, :], mask=fm[:, :, None] & (r0 < R)[None, None, :],
                  other=0.0)
     pdl.wait(GDC)
+    if LATE:
+        pdl.started(GDC)
     xv = tl.load(x_ptr + row, mask=fm, other=0.0).to(tl.float32)
     rs = tl.load(rstd_ptr + sv, mask=sv < S, other=0.0)
     if (NIP > 0) and not TICKETS:  # loaded (predicated) by every program, used by the last
@@ -330,10 +337,10 @@ def _launch(x, write, norm, down, up, inject, streams, eps, block_rows, block_h,
         x, norm, wd, wi, part, rstd, inj_prev, y, x_new, cnt if cnt is not None else rstd, m, iota,
         H, R, ni, rt, nrbd, eps,
         S=S, KPS=kps, BR=br, BK=bk, HB=hb, NHB=triton.cdiv(H, hb), DT=TL_DTYPES[dt], WRITE=write is not None,
-        TICKETS=cnt is not None, num_warps=warps_down or d["warps_down"], **pdl.launch(dev))
+        TICKETS=cnt is not None, num_warps=warps_down or d["warps_down"], **pdl.launch(dev, "hc_down"))
     _hc_up_kernel[(triton.cdiv(H, bh),)](
         x_new, norm, rstd, wu, part, m, a, iota, H, R, ni, rt,
         S=S, SP=triton.next_power_of_2(S), NKC=nkc, BH=bh, RC=rc, NRC=triton.cdiv(R, rc),
         NIP=triton.next_power_of_2(ni) if ni else 0, DT=TL_DTYPES[dt], TICKETS=cnt is not None,
-        num_warps=warps_up or d["warps_up"], **pdl.launch(dev))
+        num_warps=warps_up or d["warps_up"], **pdl.launch(dev, "hc_up"))
     return (x_new if write is not None else None), a, (iota if inject is not None else None)

@@ -28,9 +28,9 @@ MAX_K = 16
 
 @triton.jit
 def _route_kernel(logits_ptr, idx_ptr, w_ptr, E, K, stride_l,
-                  NORM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False):
-    pdl.started(GDC)
-    pdl.wait(GDC)
+                  NORM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False,
+                  LATE: tl.constexpr = False):
+    pdl.enter(GDC, LATE)
     row = tl.program_id(0)
     e = tl.arange(0, BE)
     em = e < E
@@ -67,14 +67,14 @@ def route(logits: torch.Tensor, k: int, norm_topk_prob: bool) -> tuple[torch.Ten
     # one warp: the k dependent max-reductions stay in warp shuffles, with no barrier between warps
     _route_kernel[(L,)](logits, top_i, top_w, E, k, logits.stride(0), NORM=bool(norm_topk_prob),
                         BE=triton.next_power_of_2(E), BK=triton.next_power_of_2(k), DT=TL_DTYPES[logits.dtype],
-                        num_warps=1, **pdl.launch(logits.device))
+                        num_warps=1, **pdl.launch(logits.device, "route"))
     return top_i, top_w
 
 
 @triton.jit
-def _combine_kernel(routed_ptr, gate_ptr, shared_ptr, out_ptr, H, BH: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False):
-    pdl.started(GDC)
-    pdl.wait(GDC)
+def _combine_kernel(routed_ptr, gate_ptr, shared_ptr, out_ptr, H, BH: tl.constexpr, DT: tl.constexpr,
+                    GDC: tl.constexpr = False, LATE: tl.constexpr = False):
+    pdl.enter(GDC, LATE)
     row = tl.program_id(0)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     hm = h < H
@@ -98,8 +98,8 @@ def moe_combine(routed: torch.Tensor, gate_logit: torch.Tensor, shared: torch.Te
     """The twin of `strata.model.moe.moe_combine_ref`, one launch."""
     L, H = routed.shape
     out = torch.empty_like(routed)
-    _combine_kernel[(L, triton.cdiv(H, bh))](routed, gate_logit, shared, out, H, BH=bh,
-                                             DT=TL_DTYPES[routed.dtype], **pdl.launch(routed.device))
+    _combine_kernel[(L, triton.cdiv(H, bh))](routed, gate_logit, shared, out, H, BH=bh, DT=TL_DTYPES[routed.dtype],
+                                             **pdl.launch(routed.device, "combine"))
     return out
 
 

@@ -16,7 +16,7 @@ The rule every kernel here follows:
 
 `started` may come later where letting the next kernel in early costs more than it saves: the row-register
 GEMVs call it right after their wait (`gemv_rr.RELEASE`, measured per launch class), the QSA cache-write kernel
-too (`qsa_store.RELEASE_AT_WAIT`). Only where it sits relative to `wait` can matter for correctness: a kernel
+too (`LATE_RELEASE`). Only where it sits relative to `wait` can matter for correctness: a kernel
 whose loads depend on what the previous kernel may still be waiting for (expert ids written by the routing) waits
 first and calls `started` only after its wait; so the kernel after it may read those ids before its own wait
 (`gemv.gemv_experts_sum`'s `ids_settled`).
@@ -61,6 +61,26 @@ def wait(GDC: tl.constexpr):
         gdc_wait()
 
 
+@triton.jit
+def enter(GDC: tl.constexpr, LATE: tl.constexpr = False):
+    """`started` then `wait`, for a kernel with nothing to load before its wait; with LATE `wait` then `started`
+    (`LATE_RELEASE`)."""
+    if not LATE:
+        started(GDC)
+    wait(GDC)
+    if LATE:
+        started(GDC)
+
+
+LATE_RELEASE = {"qsa_store": True, "gdn_step": False, "route": False, "combine": False, "hc_down": False,
+                "hc_up": False}
+"""Kernels (by launch name) that let the next kernel in only after their wait instead of first. True where the
+4K decode step on an H200 measured it faster (`tools/step_variants.py`, bench/results/2026-12-04-h200-step-
+variants-release-*.json): the QSA cache-write kernel, whose successors (norm and RoPE, block scores, selection,
+attention) were otherwise launched while the projection group before it still streamed (a QSA layer's path
+96.9 -> 94.2-94.6 us). The row-register GEMVs choose theirs by launch class (`gemv_rr.RELEASE`)."""
+
+
 def _device_capable(device: torch.device) -> bool:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _capable:
@@ -74,10 +94,13 @@ def active(device: torch.device) -> bool:
     return _switch["on"] and device.type == "cuda" and _device_capable(device)
 
 
-def launch(device: torch.device) -> dict:
+def launch(device: torch.device, late: str | None = None) -> dict:
     """Keyword arguments for a kernel launch on `device`: the kernel's `GDC` flag and Triton's `launch_pdl`
-    option when PDL is active, else none (the kernel's `GDC` defaults to False)."""
-    return {"GDC": True, "launch_pdl": True} if active(device) else {}
+    option when PDL is active, else none (the kernel's `GDC` defaults to False); with `late`, a `LATE_RELEASE`
+    key, also the kernel's `LATE` flag."""
+    if not active(device):
+        return {}
+    return {"GDC": True, "launch_pdl": True, **({"LATE": LATE_RELEASE[late]} if late else {})}
 
 
 def set_enabled(on: bool) -> None:

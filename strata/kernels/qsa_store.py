@@ -30,12 +30,8 @@ def _qsa_store_kernel(pos_ptr, ki_ptr, k_ptr, v_ptr, raw_ptr, blk_ptr, kc_ptr, v
                       s_raw, s_blk, s_kr, s_kh, s_vr, s_vh,
                       DI: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
                       BDI: tl.constexpr, HP: tl.constexpr, BHD: tl.constexpr, CP: tl.constexpr,
-                      DT: tl.constexpr, RELEASE_AT_WAIT: tl.constexpr = False, GDC: tl.constexpr = False):
-    if not RELEASE_AT_WAIT:
-        pdl.started(GDC)
-    pdl.wait(GDC)
-    if RELEASE_AT_WAIT:
-        pdl.started(GDC)
+                      DT: tl.constexpr, GDC: tl.constexpr = False, LATE: tl.constexpr = False):
+    pdl.enter(GDC, LATE)
     pos = tl.load(pos_ptr).to(tl.int64)
 
     # raw indexer key and V, as projected
@@ -76,14 +72,6 @@ def _qsa_store_kernel(pos_ptr, ki_ptr, k_ptr, v_ptr, raw_ptr, blk_ptr, kc_ptr, v
         tl.store(blk_ptr + (pos // C) * s_blk + d2, pk.to(DT), mask=d2 < DI)
 
 
-RELEASE_AT_WAIT = True
-"""Let the next kernel be scheduled only after this one's PDL wait, not first: the QSA layer's chain of small
-kernels behind it (norm and RoPE, block scores, selection, attention) is then not launched while the projection
-group before it still streams, now that the group lets it in at its own wait (`gemv_rr.RELEASE`): a QSA layer's
-path 96.9 -> 94.2-94.6 us at 4K on an H200 (bench/results/2026-12-04-h200-step-variants-release-plain.json;
-False for A/B runs, `tools/step_variants.py`)."""
-
-
 def supported(state: QSAState, positions: torch.Tensor, ki: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               idx_norm: torch.Tensor, k_norm: torch.Tensor) -> bool:
     """One token, one dtype the kernel knows for the inputs and the caches, rows with unit inner strides."""
@@ -112,4 +100,4 @@ def qsa_store(state: QSAState, positions: torch.Tensor, ki: torch.Tensor, k: tor
         state.v.stride(0), state.v.stride(1),
         DI=di, HKV=hkv, HD=hd, R=r, C=c, BDI=triton.next_power_of_2(di), HP=triton.next_power_of_2(hkv),
         BHD=triton.next_power_of_2(hd), CP=triton.next_power_of_2(c), DT=TL_DTYPES[ki.dtype],
-        RELEASE_AT_WAIT=RELEASE_AT_WAIT, **pdl.launch(ki.device))
+        **pdl.launch(ki.device, "qsa_store"))
