@@ -1,0 +1,112 @@
+"""Where the kernels signal and wait for programmatic dependent launch (PDL), read off their PTX for sm_90.
+
+The CPU and the interpreter never run PDL (`pdl.active` is False there), so the order of `griddepcontrol.wait`
+and `griddepcontrol.launch_dependents` in a kernel compiled for Hopper is what these tests check, offline (Triton
+compiles for a `GPUTarget` without a GPU). One ordering is needed for correctness: a launch by expert ids that
+the routing may still be writing must wait before it lets the next kernel in, because that kernel (the routed
+down projections) reads the ids before its own wait (`gemv.gemv_experts_sum`'s `ids_settled`). The others are
+the measured release points of `gemv_rr.RELEASE` and `pdl.LATE_RELEASE`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import triton
+from triton.backends.compiler import GPUTarget
+
+from strata.kernels import gemv as G
+from strata.kernels import gemv_rr as RR
+from strata.kernels import qsa_store
+
+WAIT = "griddepcontrol.wait"
+LAUNCH = "griddepcontrol.launch_dependents"
+
+
+def _ptx(fn, ptrs: dict[str, str], ints: dict[str, int], consts: dict, warps: int) -> str:
+    """PTX of `fn` compiled for sm_90 with these pointer types, int values (16-divisible ones marked so, as the
+    launcher specializes them) and constexprs."""
+    sig, attrs = {}, {}
+    for i, a in enumerate(fn.arg_names):
+        if a in consts:
+            sig[a] = "constexpr"
+        elif a in ptrs:
+            sig[a] = ptrs[a]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            v = ints[a]
+            if v == 1 and a not in fn.do_not_specialize:
+                sig[a] = "constexpr"
+                consts = {**consts, a: 1}
+                continue
+            sig[a] = "i64" if isinstance(v, int) and abs(v) >= 2 ** 31 else ("fp32" if isinstance(v, float) else "i32")
+            if isinstance(v, int) and v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = triton.compiler.ASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ptx"]
+
+
+def _rr_ptx(kind: str, has_ids: bool, ids_early: bool, release: int) -> str:
+    elems, chunk_bytes = RR.CHUNK[kind]
+    k = 2560 if kind != "Q5_1_R" else 640
+    n_chunks = k // elems
+    br, sbc, warps, _ = RR.launch_shape(kind, n_chunks)
+    rb = n_chunks * chunk_bytes
+    ptrs = dict(x_ptr="*bf16", g_ptr="*u8", u_ptr="*u8", ids_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32",
+                cnt_ptr="*i32", sw_ptr="*fp32")
+    ints = dict(N=2560, g_row_stride=rb, u_row_stride=rb, g_slot_stride=rb * 2560, u_slot_stride=rb * 2560,
+                x_slot_stride=0, out_slot_stride=0, BASE=RR._BASE[kind], X_ROW_STRIDE=0, D_STRIDE=1)
+    consts = dict(KIND=kind, CHUNK_ELEMS=elems, CHUNK_BYTES=chunk_bytes, NCH=n_chunks, SBC=sbc, BR=br, GLU=False,
+                  HAS_IDS=has_ids, ASM=True, SPLIT_SUM=G._split_sum, SPLIT=1, SLOT_SUM=0, IDS_EARLY=ids_early,
+                  RELEASE=release, PRE=RR.preload_steps(kind, n_chunks // sbc), GDC=True)
+    return _ptx(RR._rr_kernel, ptrs, ints, consts, warps)
+
+
+def _order(ptx: str) -> tuple[int, int]:
+    """(position of the wait, position of the launch of dependents); each must occur exactly once."""
+    assert ptx.count(WAIT) == 1 and ptx.count(LAUNCH) == 1, (ptx.count(WAIT), ptx.count(LAUNCH))
+    return ptx.index(WAIT), ptx.index(LAUNCH)
+
+
+@pytest.mark.parametrize("release", [RR.AFTER_LOOP, RR.AT_WAIT, RR.FIRST])
+def test_rr_by_unsettled_ids_waits_before_letting_the_next_kernel_in(release):
+    wait, launch = _order(_rr_ptx("Q4_K_R", has_ids=True, ids_early=False, release=release))
+    assert wait < launch
+
+
+@pytest.mark.parametrize("kind", ["Q8_0_R", "Q4_K_R"])
+def test_rr_plain_release_points(kind):
+    fma = "fma.rn.f32"
+    first = _rr_ptx(kind, has_ids=False, ids_early=False, release=RR.FIRST)
+    wait, launch = _order(first)
+    assert launch < wait
+    at_wait = _rr_ptx(kind, has_ids=False, ids_early=False, release=RR.AT_WAIT)
+    wait, launch = _order(at_wait)
+    assert wait < launch and fma not in at_wait[wait:launch]  # no K-loop arithmetic in between
+    after = _rr_ptx(kind, has_ids=False, ids_early=False, release=RR.AFTER_LOOP)
+    wait, launch = _order(after)
+    assert wait < launch and after[wait:launch].count(fma) > 8  # the K loop in between
+
+
+def test_rr_settled_ids_are_read_before_the_wait():
+    ptx = _rr_ptx("Q5_1_R", has_ids=True, ids_early=True, release=RR.RELEASE["settled-ids"])
+    wait, launch = _order(ptx)
+    assert "ld.global.cg" in ptx[:wait]  # the expert ids, loaded from L2 before the wait
+    unsettled = _rr_ptx("Q5_1_R", has_ids=True, ids_early=False, release=RR.RELEASE["settled-ids"])
+    wait, _ = _order(unsettled)
+    assert "ld.global.cg" not in unsettled[:wait]
+
+
+def test_release_classes_are_the_measured_defaults():
+    assert RR.RELEASE == {"plain": RR.AT_WAIT, "ids": RR.AT_WAIT, "settled-ids": RR.AFTER_LOOP}
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_qsa_store_release_point(late):
+    ptrs = dict(pos_ptr="*i64", ki_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", raw_ptr="*bf16", blk_ptr="*bf16",
+                kc_ptr="*bf16", vc_ptr="*bf16", inorm_ptr="*fp32", knorm_ptr="*fp32", cos_ptr="*fp32",
+                sin_ptr="*fp32", bcos_ptr="*fp32", bsin_ptr="*fp32")
+    ints = dict(eps=1e-6, s_raw=128, s_blk=128, s_kr=512, s_kh=128, s_vr=512, s_vh=128)
+    consts = dict(DI=128, HKV=4, HD=128, R=64, C=64, BDI=128, HP=4, BHD=128, CP=64, DT=triton.language.bfloat16,
+                  GDC=True, LATE=late)
+    wait, launch = _order(_ptx(qsa_store._qsa_store_kernel, ptrs, ints, consts, 4))
+    assert (wait < launch) == late
