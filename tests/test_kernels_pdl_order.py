@@ -12,37 +12,18 @@ from __future__ import annotations
 
 import pytest
 import triton
-from triton.backends.compiler import GPUTarget
 
 from strata.kernels import gemv as G
 from strata.kernels import gemv_rr as RR
 from strata.kernels import qsa_store
+from strata.kernels.offline import compile_for
 
 WAIT = "griddepcontrol.wait"
 LAUNCH = "griddepcontrol.launch_dependents"
 
 
-def _ptx(fn, ptrs: dict[str, str], ints: dict[str, int], consts: dict, warps: int) -> str:
-    """PTX of `fn` compiled for sm_90 with these pointer types, int values (16-divisible ones marked so, as the
-    launcher specializes them) and constexprs."""
-    sig, attrs = {}, {}
-    for i, a in enumerate(fn.arg_names):
-        if a in consts:
-            sig[a] = "constexpr"
-        elif a in ptrs:
-            sig[a] = ptrs[a]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            v = ints[a]
-            if v == 1 and a not in fn.do_not_specialize:
-                sig[a] = "constexpr"
-                consts = {**consts, a: 1}
-                continue
-            sig[a] = "i64" if isinstance(v, int) and abs(v) >= 2 ** 31 else ("fp32" if isinstance(v, float) else "i32")
-            if isinstance(v, int) and v % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = triton.compiler.ASTSource(fn, sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ptx"]
+def _ptx(fn, ptrs: dict[str, str], ints: dict, consts: dict, warps: int) -> str:
+    return compile_for(fn, ptrs, ints, consts, warps).asm["ptx"]
 
 
 def _rr_ptx(kind: str, has_ids: bool, ids_early: bool, release: int) -> str:

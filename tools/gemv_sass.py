@@ -33,12 +33,12 @@ import tempfile
 from pathlib import Path
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from strata.kernels import gemv as G  # noqa: E402
 from strata.kernels import gemv_rr as RR  # noqa: E402
+from strata.kernels.offline import compile_for  # noqa: E402
 
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
@@ -79,26 +79,7 @@ def compile_kernel(t: G.GemvType, n: int, k: int, bn: int | None = None, nw: int
         tile_rows = 2 * rows
     else:
         raise ValueError(kernel)
-    sig, attrs = {}, {}
-    for i, a in enumerate(fn.arg_names):
-        if a in consts:
-            sig[a] = "constexpr"
-        elif a in ptrs:
-            sig[a] = ptrs[a]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif a in ints:
-            v = ints[a]
-            if v == 1:  # the launcher turns ints equal to 1 into constants
-                sig[a] = "constexpr"
-                consts[a] = 1
-                continue
-            sig[a] = "i32"
-            if v % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            raise KeyError(a)
-    src = triton.compiler.ASTSource(fn, sig, constexprs=consts, attrs=attrs)
-    ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps))
+    ck = compile_for(fn, ptrs, ints, consts, warps, arch)
     weights = tile_rows * dec["CHUNK_X"]
     return ck, dict(type=t.name, n=n, k=k, kernel=kernel, BN=rows, warps=warps, NB=dec["NB"],
                     weights_per_thread=weights / (warps * 32))
@@ -119,24 +100,7 @@ def compile_rr(kind: str, n: int, k: int, glu: bool = False, x_dtype: str = "bf1
     consts = dict(KIND=kind, CHUNK_ELEMS=elems, CHUNK_BYTES=chunk_bytes, NCH=n_chunks, SBC=sbc, BR=br, GLU=glu,
                   HAS_IDS=False, ASM=True, SPLIT_SUM=G._split_sum, SPLIT=1, SLOT_SUM=0, IDS_EARLY=False,
                   RELEASE=RR.AFTER_LOOP, PRE=RR.preload_steps(kind, n_chunks // sbc), GDC=False)
-    sig, attrs = {}, {}
-    for i, a in enumerate(RR._rr_kernel.arg_names):
-        if a in consts:
-            sig[a] = "constexpr"
-        elif a in ptrs:
-            sig[a] = ptrs[a]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            v = ints[a]
-            if v == 1 and a not in RR._rr_kernel.do_not_specialize:
-                sig[a] = "constexpr"
-                consts[a] = 1
-                continue
-            sig[a] = "i32"
-            if v % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = triton.compiler.ASTSource(RR._rr_kernel, sig, constexprs=consts, attrs=attrs)
-    ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps))
+    ck = compile_for(RR._rr_kernel, ptrs, ints, consts, warps, arch)
     weights = br * sbc * elems
     return ck, dict(type=kind, n=n, k=k, kernel="rr glu" if glu else "rr", BN=br, warps=warps, NB=sbc,
                     x=x_dtype, weights_per_thread=weights / (warps * 32))
