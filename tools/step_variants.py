@@ -32,6 +32,8 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   late:NAME:0|1              the kernel NAME (a `pdl.LATE_RELEASE` key: qsa_store, gdn_step, route, combine,
                              hc_down, hc_up) lets the next kernel in after its PDL wait (1) or first (0)
   streams:off                the shared expert on the caller's stream, after the routed experts (no side stream)
+  shared:removed             the shared expert's launches left out of the graph (its output from the warm-up; no
+                             side stream, so no join before the combine): bounds what a join-free MoE could gain
   priority:P0,P1             CUDA stream priorities of the capture lane and the side branch's lane (made anew;
                              `streams.LANE_PRIORITY`; at most two settings per process: ticket regions)
   shape:KIND:NCH:LO:HI:BR,SBC,WARPS,SPLIT
@@ -81,6 +83,19 @@ def _frozen_select(scores, positions, k, c, *a, **kw):
 
 
 _frozen_select.cache = {}
+
+
+def _frozen_shared(x, fns):
+    """`Ops.branches` of a MoE layer with the shared expert (branch 1) computed only while not capturing: the
+    captured step runs the routed branch alone and combines with the warm-up's shared output."""
+    if not torch.cuda.is_current_stream_capturing():
+        outs = branches_ref(x, fns)
+        _frozen_shared.cache[tuple(x.shape)] = outs[1].clone()
+        return outs
+    return [fns[0](), _frozen_shared.cache[tuple(x.shape)]]
+
+
+_frozen_shared.cache = {}
 
 
 def _frozen_route(logits, k, norm):
@@ -175,6 +190,8 @@ def _apply_one(variant: str) -> dict:
         gemv_rr.launch = _release_for_rows(int(args[0]), int(args[1]))
     elif name == "late" and len(args) == 2 and args[0] in pdl.LATE_RELEASE:
         pdl.LATE_RELEASE[args[0]] = bool(int(args[1]))
+    elif name == "shared" and args == ["removed"]:
+        return {"branches": _frozen_shared}
     elif name == "streams" and args == ["off"]:
         return {"branches": branches_ref}
     elif name == "priority" and len(args) == 1:
