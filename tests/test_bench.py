@@ -85,12 +85,13 @@ def test_layer_paths_reads_the_critical_path_off_a_timeline():
     assert set(paths) == {"gdn", "qsa"}
     g = paths["gdn"]
     assert (g["layers"], g["alike"], g["span_us"]) == (2, 2, 52.0)  # spans 47 and 57
-    assert g["steps"] == [["_hc_down_kernel", 7.0, 7.0], ["_hc_up_kernel", 10.0, 3.0], ["_rr_kernel", 30.0, 20.0],
-                          ["_gdn_step_kernel", 38.0, 8.0], ["_gemv_kernel", 42.0, 4.0], ["_rr_kernel", 50.0, 8.0],
-                          ["_combine_kernel", 52.0, 2.0]]
-    assert sum(share for _, _, share in g["steps"]) == g["span_us"]
-    assert paths["qsa"]["steps"] == [["_hc_down_kernel", 7.0, 7.0], ["_select_kernel", 30.0, 23.0],
-                                     ["_combine_kernel", 31.0, 1.0]]
+    assert g["steps"] == [["_hc_down_kernel", 7.0, 7.0, 0.0], ["_hc_up_kernel", 10.0, 3.0, 1.0],
+                          ["_rr_kernel", 30.0, 20.0, 6.0], ["_gdn_step_kernel", 38.0, 8.0, 29.0],
+                          ["_gemv_kernel", 42.0, 4.0, 32.0], ["_rr_kernel", 50.0, 8.0, 31.0],
+                          ["_combine_kernel", 52.0, 2.0, 50.0]]
+    assert sum(share for _, _, share, _ in g["steps"]) == g["span_us"]
+    assert paths["qsa"]["steps"] == [["_hc_down_kernel", 7.0, 7.0, 0.0], ["_select_kernel", 30.0, 23.0, 5.0],
+                                     ["_combine_kernel", 31.0, 1.0, 30.0]]
     report = {"gpu": "X", "copy_bandwidth_bytes_per_s": 4e12, "model": "m", "ops": "triton", "type_mix": "t",
               "decode": [{"context": 4096, "ms_per_token": 2.0, "tok_per_s": 500.0, "wall_ms_per_token": 2.1,
                           "bytes_per_token": {"total": 6e9}, "floor_ms": 1.5, "fraction_of_floor": 0.75,

@@ -302,8 +302,9 @@ def layer_paths(timeline: list[list]) -> dict:
     order): the timeline cut after each `LAYER_END_KERNEL`, each layer classed by the kernels in it ("gdn" with
     `_gdn_step_kernel`, "qsa" with one of `QSA_KERNELS`, else "other"), and for each class whose layers launch the
     same kernels in the same order, per launch (in end order) the medians over those layers of when it ends
-    after the layer's first start and how much it moves the layer's latest end so far (its share of the
-    critical path). Launches that overlap others get the share by which they outlast them."""
+    after the layer's first start, how much it moves the layer's latest end so far (its share of the
+    critical path) and when it starts (with PDL: when it was let in, which can be long before its inputs are
+    ready). Launches that overlap others get the share by which they outlast them."""
     layers, cur = [], []
     for name, s, e in timeline:
         cur.append((name, float(s), float(e)))
@@ -316,18 +317,18 @@ def layer_paths(timeline: list[list]) -> dict:
         kind = "gdn" if "_gdn_step_kernel" in names else "qsa" if names & QSA_KERNELS else "other"
         t0 = frontier = min(s for _, s, _ in layer)
         steps = []
-        for n, _, e in sorted(layer, key=lambda k: k[2]):
-            steps.append((n, e - t0, max(0.0, e - frontier)))
+        for n, s, e in sorted(layer, key=lambda k: k[2]):
+            steps.append((n, e - t0, max(0.0, e - frontier), s - t0))
             frontier = max(frontier, e)
         kinds[kind].append(steps)
     out = {}
     for kind, ls in kinds.items():
-        shape = [n for n, _, _ in ls[len(ls) // 2]]
-        same = [steps for steps in ls if [n for n, _, _ in steps] == shape]
+        shape = [st[0] for st in ls[len(ls) // 2]]
+        same = [steps for steps in ls if [st[0] for st in steps] == shape]
         med = statistics.median
         out[kind] = {"layers": len(ls), "alike": len(same),
                      "span_us": round(med([steps[-1][1] for steps in ls]), 2),
-                     "steps": [[n, round(med([st[i][1] for st in same]), 2), round(med([st[i][2] for st in same]), 2)]
+                     "steps": [[n, *(round(med([st[i][j] for st in same]), 2) for j in (1, 2, 3))]
                                for i, n in enumerate(shape)]}
     return out
 
@@ -376,8 +377,9 @@ def format_table(report: dict) -> str:
         lines.extend(f"  {t['marginal_ms']:>8.3f} ms {t['count']:>5}x {t['kernel']}" for t in k["top"])
     for kind, lp in first.get("replay_kernels", {}).get("layers", {}).items():
         lines.append(f"{kind} layer ({lp['alike']} of {lp['layers']} alike): {lp['span_us']:.1f} us; per launch, "
-                     "us after the layer's start when it ends and its share of the critical path:")
-        lines.extend(f"  {n[:40]:<40} {end:>8.1f} {share:>8.1f}" for n, end, share in lp["steps"])
+                     "us after the layer's start when it ends, its share of the critical path, when it starts:")
+        for n, end, share, *start in lp["steps"]:  # reports before the start was recorded have three values
+            lines.append(f"  {n[:40]:<40} {end:>8.1f} {share:>8.1f} {start[0] if start else float('nan'):>8.1f}")
     if "stages_ms" in first:
         lines.append(f"per-stage ms (context {first['context']}; sum {first['stages_sum_ms']:.3f} ms of "
                      f"{first['ms_per_token']:.3f} ms):")
