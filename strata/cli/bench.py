@@ -27,7 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeline", action="store_true",
                    help="with --profile: also record every kernel of one graph replay in order (name, start and "
                         "end in microseconds from the replay's start) in the report, and print the critical path "
-                        "of a GDN and a QSA layer read off it (per launch: when it ends, its share of the path)")
+                        "of a GDN and a QSA layer read off it (per launch: when it ends, its share of the path, "
+                        "when it starts)")
     p.add_argument("--commit", default=None,
                    help="commit id to record in the report (default: git rev-parse HEAD; for copies without .git)")
     p.add_argument("--reference-ops", action="store_true", help="use the reference ops, not the Triton kernels")
