@@ -6,9 +6,18 @@ compiles for a `GPUTarget` without a GPU). One ordering is needed for correctnes
 the routing may still be writing must wait before it lets the next kernel in, because that kernel (the routed
 down projections) reads the ids before its own wait (`gemv.gemv_experts_sum`'s `ids_settled`). The others are
 the measured release points of `gemv_rr.RELEASE` and `pdl.LATE_RELEASE`.
+
+The kernels are compiled in a subprocess without TRITON_INTERPRET: the interpreter tests of the same session set it
+before Triton is first imported, and a kernel module imported under it holds interpreted functions that cannot
+be compiled.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import triton
@@ -42,6 +51,42 @@ def _rr_ptx(kind: str, has_ids: bool, ids_early: bool, release: int) -> str:
     return _ptx(RR._rr_kernel, ptrs, ints, consts, warps)
 
 
+def _qsa_store_ptx(late: bool) -> str:
+    ptrs = dict(pos_ptr="*i64", ki_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", raw_ptr="*bf16", blk_ptr="*bf16",
+                kc_ptr="*bf16", vc_ptr="*bf16", inorm_ptr="*fp32", knorm_ptr="*fp32", cos_ptr="*fp32",
+                sin_ptr="*fp32", bcos_ptr="*fp32", bsin_ptr="*fp32")
+    ints = dict(eps=1e-6, s_raw=128, s_blk=128, s_kr=512, s_kh=128, s_vr=512, s_vh=128)
+    consts = dict(DI=128, HKV=4, HD=128, R=64, C=64, BDI=128, HP=4, BHD=128, CP=64, DT=triton.language.bfloat16,
+                  GDC=True, LATE=late)
+    return _ptx(qsa_store._qsa_store_kernel, ptrs, ints, consts, 4)
+
+
+def _cases() -> dict:
+    """Name -> a function that compiles one case and returns its PTX."""
+    cases = {}
+    for release in (RR.AFTER_LOOP, RR.AT_WAIT, RR.FIRST):
+        cases[f"unsettled-Q4_K_R-{release}"] = lambda r=release: _rr_ptx("Q4_K_R", True, False, r)
+        for kind in ("Q8_0_R", "Q4_K_R"):
+            cases[f"plain-{kind}-{release}"] = lambda r=release, k=kind: _rr_ptx(k, False, False, r)
+    for settled in (True, False):
+        cases[f"ids-Q5_1_R-settled-{settled}"] = lambda s=settled: _rr_ptx("Q5_1_R", True, s, RR.RELEASE["settled-ids"])
+    for late in (True, False):
+        cases[f"qsa_store-late-{late}"] = lambda lt=late: _qsa_store_ptx(lt)
+    return cases
+
+
+@pytest.fixture(scope="module")
+def ptx(tmp_path_factory) -> dict[str, str]:
+    """Every case's PTX, compiled by this file run as a script in a subprocess without TRITON_INTERPRET."""
+    out = tmp_path_factory.mktemp("ptx")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    found = {p.stem: p.read_text() for p in out.glob("*.ptx")}
+    assert set(found) == set(_cases()), sorted(set(_cases()) - set(found))
+    return found
+
+
 def _order(ptx: str) -> tuple[int, int]:
     """(position of the wait, position of the launch of dependents); each must occur exactly once."""
     assert ptx.count(WAIT) == 1 and ptx.count(LAUNCH) == 1, (ptx.count(WAIT), ptx.count(LAUNCH))
@@ -49,30 +94,29 @@ def _order(ptx: str) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("release", [RR.AFTER_LOOP, RR.AT_WAIT, RR.FIRST])
-def test_rr_by_unsettled_ids_waits_before_letting_the_next_kernel_in(release):
-    wait, launch = _order(_rr_ptx("Q4_K_R", has_ids=True, ids_early=False, release=release))
+def test_rr_by_unsettled_ids_waits_before_letting_the_next_kernel_in(ptx, release):
+    wait, launch = _order(ptx[f"unsettled-Q4_K_R-{release}"])
     assert wait < launch
 
 
 @pytest.mark.parametrize("kind", ["Q8_0_R", "Q4_K_R"])
-def test_rr_plain_release_points(kind):
+def test_rr_plain_release_points(ptx, kind):
     fma = "fma.rn.f32"
-    first = _rr_ptx(kind, has_ids=False, ids_early=False, release=RR.FIRST)
-    wait, launch = _order(first)
+    wait, launch = _order(ptx[f"plain-{kind}-{RR.FIRST}"])
     assert launch < wait
-    at_wait = _rr_ptx(kind, has_ids=False, ids_early=False, release=RR.AT_WAIT)
+    at_wait = ptx[f"plain-{kind}-{RR.AT_WAIT}"]
     wait, launch = _order(at_wait)
     assert wait < launch and fma not in at_wait[wait:launch]  # no K-loop arithmetic in between
-    after = _rr_ptx(kind, has_ids=False, ids_early=False, release=RR.AFTER_LOOP)
+    after = ptx[f"plain-{kind}-{RR.AFTER_LOOP}"]
     wait, launch = _order(after)
     assert wait < launch and after[wait:launch].count(fma) > 8  # the K loop in between
 
 
-def test_rr_settled_ids_are_read_before_the_wait():
-    ptx = _rr_ptx("Q5_1_R", has_ids=True, ids_early=True, release=RR.RELEASE["settled-ids"])
-    wait, launch = _order(ptx)
-    assert "ld.global.cg" in ptx[:wait]  # the expert ids, loaded from L2 before the wait
-    unsettled = _rr_ptx("Q5_1_R", has_ids=True, ids_early=False, release=RR.RELEASE["settled-ids"])
+def test_rr_settled_ids_are_read_before_the_wait(ptx):
+    settled = ptx["ids-Q5_1_R-settled-True"]
+    wait, _ = _order(settled)
+    assert "ld.global.cg" in settled[:wait]  # the expert ids, loaded from L2 before the wait
+    unsettled = ptx["ids-Q5_1_R-settled-False"]
     wait, _ = _order(unsettled)
     assert "ld.global.cg" not in unsettled[:wait]
 
@@ -82,12 +126,11 @@ def test_release_classes_are_the_measured_defaults():
 
 
 @pytest.mark.parametrize("late", [False, True])
-def test_qsa_store_release_point(late):
-    ptrs = dict(pos_ptr="*i64", ki_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", raw_ptr="*bf16", blk_ptr="*bf16",
-                kc_ptr="*bf16", vc_ptr="*bf16", inorm_ptr="*fp32", knorm_ptr="*fp32", cos_ptr="*fp32",
-                sin_ptr="*fp32", bcos_ptr="*fp32", bsin_ptr="*fp32")
-    ints = dict(eps=1e-6, s_raw=128, s_blk=128, s_kr=512, s_kh=128, s_vr=512, s_vh=128)
-    consts = dict(DI=128, HKV=4, HD=128, R=64, C=64, BDI=128, HP=4, BHD=128, CP=64, DT=triton.language.bfloat16,
-                  GDC=True, LATE=late)
-    wait, launch = _order(_ptx(qsa_store._qsa_store_kernel, ptrs, ints, consts, 4))
+def test_qsa_store_release_point(ptx, late):
+    wait, launch = _order(ptx[f"qsa_store-late-{late}"])
     assert (wait < launch) == late
+
+
+if __name__ == "__main__":  # the fixture's subprocess: compile every case into the folder given
+    for name, compile_case in _cases().items():
+        (Path(sys.argv[1]) / f"{name}.ptx").write_text(compile_case())
