@@ -34,8 +34,6 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   streams:off                the shared expert on the caller's stream, after the routed experts (no side stream)
   shared:removed             the shared expert's launches left out of the graph (its output from the warm-up; no
                              side stream, so no join before the combine): bounds what a join-free MoE could gain
-  priority:P0,P1             CUDA stream priorities of the capture lane and the side branch's lane (made anew;
-                             `streams.LANE_PRIORITY`; at most two settings per process: ticket regions)
   shape:KIND:NCH:LO:HI:BR,SBC,WARPS,SPLIT
                              row-register launches of KIND over NCH chunks with LO <= row tiles < HI in this
                              launch shape (`gemv_rr.launch_shape`)
@@ -60,7 +58,7 @@ from strata.kernels import gemv as kernel_gemv  # noqa: E402
 from strata.kernels import ops as kernel_ops  # noqa: E402
 from strata.model.model import Model  # noqa: E402
 from strata.model.ops import branches_ref  # noqa: E402
-from strata.runtime import bench, streams  # noqa: E402
+from strata.runtime import bench  # noqa: E402
 from strata.runtime.placement import fast_ops, gpu_layout  # noqa: E402
 from strata.runtime.synthetic import TypeMix, real_config, synthetic_weights  # noqa: E402
 
@@ -131,14 +129,6 @@ def _release_for_rows(rows: int, mode: int):
     return launch
 
 
-def _set_priorities(prio: dict[int, int]) -> None:
-    """Lane priorities for the streams made from now on; the lanes' streams are made anew when they change."""
-    if prio != streams.LANE_PRIORITY:
-        streams.LANE_PRIORITY.clear()
-        streams.LANE_PRIORITY.update(prio)
-        streams._streams.clear()
-
-
 def apply(variant: str) -> dict:
     """Reset every patch, then apply those of `variant`'s parts (see the module docstring); the op table
     entries they swap."""
@@ -155,8 +145,6 @@ def apply(variant: str) -> dict:
     gdn.gdn_step = BASE["gdn_step"]
     gemv_rr.PRELOAD.clear()
     gemv_rr.PRELOAD.update(BASE["PRELOAD"])
-    if not any(p.startswith("priority:") for p in variant.split("+")):
-        _set_priorities({})
     for t in BASE["GEMV_TYPE_NAMES"].values():
         kernel_gemv.GEMV_TYPE_NAMES[t.name] = kernel_gemv.GEMV_TYPES[t.type_id] = t
     swaps = {}
@@ -194,9 +182,6 @@ def _apply_one(variant: str) -> dict:
         return {"branches": _frozen_shared}
     elif name == "streams" and args == ["off"]:
         return {"branches": branches_ref}
-    elif name == "priority" and len(args) == 1:
-        p0, p1 = (int(v) for v in args[0].split(","))
-        _set_priorities({streams.CAPTURE_LANE: p0, streams.CAPTURE_LANE + 1: p1})
     elif name == "ids-early" and args == ["off"]:
         kernel_ops.SETTLED_IDS = False
     elif name == "select" and args == ["removed"]:

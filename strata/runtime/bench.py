@@ -378,8 +378,7 @@ def format_table(report: dict) -> str:
     for kind, lp in first.get("replay_kernels", {}).get("layers", {}).items():
         lines.append(f"{kind} layer ({lp['alike']} of {lp['layers']} alike): {lp['span_us']:.1f} us; per launch, "
                      "us after the layer's start when it ends, its share of the critical path, when it starts:")
-        for n, end, share, *start in lp["steps"]:  # reports before the start was recorded have three values
-            lines.append(f"  {n[:40]:<40} {end:>8.1f} {share:>8.1f} {start[0] if start else float('nan'):>8.1f}")
+        lines.extend(f"  {n[:40]:<40} {end:>8.1f} {share:>8.1f} {start:>8.1f}" for n, end, share, start in lp["steps"])
     if "stages_ms" in first:
         lines.append(f"per-stage ms (context {first['context']}; sum {first['stages_sum_ms']:.3f} ms of "
                      f"{first['ms_per_token']:.3f} ms):")

@@ -23,10 +23,6 @@ from strata.model.ops import branches_ref
 CAPTURE_LANE = 0
 """The side stream a decode step warms up and is captured on (`strata.runtime.graph`); branches use 1, 2, ..."""
 
-LANE_PRIORITY: dict[int, int] = {}
-"""CUDA stream priority of each lane (lower is higher; absent: the default, 0), read when a lane's stream is made
-(for A/B runs, `tools/step_variants.py`)."""
-
 _streams: dict[tuple[int, int], torch.cuda.Stream] = {}
 
 
@@ -36,7 +32,7 @@ def side_stream(device: torch.device, lane: int) -> torch.cuda.Stream:
     only a few, so the streams that run kernels must be a small fixed set, not one per step or per engine."""
     key = (device.index if device.index is not None else torch.cuda.current_device(), lane)
     if key not in _streams:
-        _streams[key] = torch.cuda.Stream(device=key[0], priority=LANE_PRIORITY.get(lane, 0))
+        _streams[key] = torch.cuda.Stream(device=key[0])
     return _streams[key]
 
 
