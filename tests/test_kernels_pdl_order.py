@@ -5,7 +5,8 @@ and `griddepcontrol.launch_dependents` in a kernel compiled for Hopper is what t
 compiles for a `GPUTarget` without a GPU). One ordering is needed for correctness: a launch by expert ids that
 the routing may still be writing must wait before it lets the next kernel in, because that kernel (the routed
 down projections) reads the ids before its own wait (`gemv.gemv_experts_sum`'s `ids_settled`). The others are
-the measured release points of `gemv_rr.RELEASE` and `pdl.LATE_RELEASE`.
+the measured release points of `gemv_rr.RELEASE` and `pdl.LATE_RELEASE`. The same compilation shows whether the
+row-register GEMVs widen bf16 x by inline PTX (`gemv_rr.WIDEN_X_ASM`), which the interpreter cannot run either.
 
 The kernels are compiled in a subprocess without TRITON_INTERPRET: the interpreter tests of the same session set it
 before Triton is first imported, and a kernel module imported under it holds interpreted functions that cannot
@@ -35,19 +36,19 @@ def _ptx(fn, ptrs: dict[str, str], ints: dict, consts: dict, warps: int) -> str:
     return compile_for(fn, ptrs, ints, consts, warps).asm["ptx"]
 
 
-def _rr_ptx(kind: str, has_ids: bool, ids_early: bool, release: int) -> str:
+def _rr_ptx(kind: str, has_ids: bool, ids_early: bool, release: int, x: str = "bf16", widen: bool = False) -> str:
     elems, chunk_bytes = RR.CHUNK[kind]
     k = 2560 if kind != "Q5_1_R" else 640
     n_chunks = k // elems
     br, sbc, warps, _ = RR.launch_shape(kind, n_chunks)
     rb = n_chunks * chunk_bytes
-    ptrs = dict(x_ptr="*bf16", g_ptr="*u8", u_ptr="*u8", ids_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32",
+    ptrs = dict(x_ptr=f"*{x}", g_ptr="*u8", u_ptr="*u8", ids_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32",
                 cnt_ptr="*i32", sw_ptr="*fp32")
     ints = dict(N=2560, g_row_stride=rb, u_row_stride=rb, g_slot_stride=rb * 2560, u_slot_stride=rb * 2560,
                 x_slot_stride=0, out_slot_stride=0, BASE=RR._BASE[kind], X_ROW_STRIDE=0, D_STRIDE=1)
     consts = dict(KIND=kind, CHUNK_ELEMS=elems, CHUNK_BYTES=chunk_bytes, NCH=n_chunks, SBC=sbc, BR=br, GLU=False,
                   HAS_IDS=has_ids, ASM=True, SPLIT_SUM=G._split_sum, SPLIT=1, SLOT_SUM=0, IDS_EARLY=ids_early,
-                  RELEASE=release, PRE=RR.preload_steps(kind, n_chunks // sbc), GDC=True)
+                  RELEASE=release, PRE=RR.preload_steps(kind, n_chunks // sbc), XW=widen, GDC=True)
     return _ptx(RR._rr_kernel, ptrs, ints, consts, warps)
 
 
@@ -72,6 +73,8 @@ def _cases() -> dict:
         cases[f"ids-Q5_1_R-settled-{settled}"] = lambda s=settled: _rr_ptx("Q5_1_R", True, s, RR.RELEASE["settled-ids"])
     for late in (True, False):
         cases[f"qsa_store-late-{late}"] = lambda lt=late: _qsa_store_ptx(lt)
+    for x, widen in (("bf16", True), ("bf16", False), ("fp32", True)):
+        cases[f"widen-Q8_0_R-{x}-{widen}"] = lambda x=x, w=widen: _rr_ptx("Q8_0_R", False, False, RR.AT_WAIT, x, w)
     return cases
 
 
@@ -129,6 +132,16 @@ def test_release_classes_are_the_measured_defaults():
 def test_qsa_store_release_point(ptx, late):
     wait, launch = _order(ptx[f"qsa_store-late-{late}"])
     assert (wait < launch) == late
+
+
+@pytest.mark.parametrize("x, widen", [("bf16", True), ("bf16", False), ("fp32", True)])
+def test_rr_widens_bf16_x_by_inline_ptx_only_when_asked(ptx, x, widen):
+    mask = "0xFFFF0000;"  # the high element's widening in `gemv_rr._xf`
+    code = ptx[f"widen-Q8_0_R-{x}-{widen}"]
+    if x == "bf16" and widen:
+        assert code.count(mask) >= 16  # every x load of a K step (8 loads of 4 elements: 16 words)
+    else:
+        assert mask not in code
 
 
 if __name__ == "__main__":  # the fixture's subprocess: compile every case into the folder given

@@ -18,6 +18,7 @@ If nvdisasm is missing it falls back to counting PTX instructions in the loop (l
     python tools/gemv_sass.py lab:NAME                             # a GemvType defined in tools/gemv_lab.py
     python tools/gemv_sass.py Q4_K_R Q8_0_R Q5_1_R --rr --x fp32    # the row-register kernel (kernels/gemv_rr.py)
     python tools/gemv_sass.py Q4_K_R --rr --out counts.json         # also write the reports as JSON
+    python tools/gemv_sass.py Q4_K_R --rr --x-widen 1               # bf16 x widened by inline PTX
 """
 
 from __future__ import annotations
@@ -86,9 +87,11 @@ def compile_kernel(t: G.GemvType, n: int, k: int, bn: int | None = None, nw: int
 
 
 def compile_rr(kind: str, n: int, k: int, glu: bool = False, x_dtype: str = "bf16", arch: int = 90,
-               shape: tuple[int, int, int] | None = None):
+               shape: tuple[int, int, int] | None = None, x_widen: bool | None = None):
     """The CompiledKernel of one one-token launch of `gemv_rr._rr_kernel` (in its `launch_shape` or `shape` =
-    (rows, chunks per step, warps), one matrix, bf16 output) and its launch facts, as `compile_kernel`."""
+    (rows, chunks per step, warps), one matrix, bf16 output) and its launch facts, as `compile_kernel`. x_widen:
+    bf16 x widened by inline PTX (`gemv_rr.WIDEN_X_ASM`, its value when None)."""
+    x_widen = RR.WIDEN_X_ASM if x_widen is None else x_widen
     elems, chunk_bytes = RR.CHUNK[kind]
     n_chunks = k // elems
     br, sbc, warps = shape or RR.launch_shape(kind, n_chunks, -(-n // 8))[:3]
@@ -99,11 +102,11 @@ def compile_rr(kind: str, n: int, k: int, glu: bool = False, x_dtype: str = "bf1
                 out_slot_stride=0, BASE=RR._BASE[kind], X_ROW_STRIDE=0, D_STRIDE=1)
     consts = dict(KIND=kind, CHUNK_ELEMS=elems, CHUNK_BYTES=chunk_bytes, NCH=n_chunks, SBC=sbc, BR=br, GLU=glu,
                   HAS_IDS=False, ASM=True, SPLIT_SUM=G._split_sum, SPLIT=1, SLOT_SUM=0, IDS_EARLY=False,
-                  RELEASE=RR.AFTER_LOOP, PRE=RR.preload_steps(kind, n_chunks // sbc), GDC=False)
+                  RELEASE=RR.AFTER_LOOP, PRE=RR.preload_steps(kind, n_chunks // sbc), XW=x_widen, GDC=False)
     ck = compile_for(RR._rr_kernel, ptrs, ints, consts, warps, arch)
     weights = br * sbc * elems
     return ck, dict(type=kind, n=n, k=k, kernel="rr glu" if glu else "rr", BN=br, warps=warps, NB=sbc,
-                    x=x_dtype, weights_per_thread=weights / (warps * 32))
+                    x=x_dtype, x_widen=x_widen, weights_per_thread=weights / (warps * 32))
 
 
 _CLASSES = [
@@ -233,8 +236,13 @@ def main() -> int:
     ap.add_argument("--no-prefetch", action="store_true", help="the decoder whole (no load/unpack pipelining)")
     ap.add_argument("--rr", action="store_true", help="the row-register kernel (kernels/gemv_rr.py) of a *_R type")
     ap.add_argument("--x", default="bf16", choices=("bf16", "fp32"), help="x's element type (default bf16)")
+    ap.add_argument("--x-widen", default=None, choices=("0", "1"),
+                    help="the row-register kernel with bf16 x widened by inline PTX (1) or not (0); default: "
+                         "gemv_rr.WIDEN_X_ASM")
     ap.add_argument("--out", default=None, help="also write the reports as JSON here")
     args = ap.parse_args()
+    if args.x_widen is not None:
+        RR.WIDEN_X_ASM = args.x_widen == "1"
     facts = []
     for name in args.types:
         t = _resolve(name)

@@ -4,7 +4,8 @@ For every storage type the kernels cover:
   1. correctness against "dequantize (strata.weights.quants), then x @ W^T in float64", on the GPU:
      `gemv` at K=2560, N=8192 with 1 and 3 tokens; `gemv_experts` with 10 of E experts, the gate/up shape
      (N=640, K=2560, one shared x) and, for 32/64-weight blocks and dense rows, the down shape (N=2560, K=640, one
-     x per slot). Pass: max |y - ref| / sum|w x| <= 1e-5 (fp32 accumulation order only).
+     x per slot); for the row-register types also one token of bf16 x, widened both ways (`check_bf16_x`).
+     Pass: max |y - ref| / sum|w x| <= 1e-5 (fp32 accumulation order only).
   2. bandwidth: each case captured in a CUDA graph as a run of calls over distinct weight copies (or distinct
      expert sets) that together exceed L2 many times over, so every byte comes from HBM; GB/s = weight bytes read
      / time per call (median of replays, CUDA events). Reported also as a fraction of a large device-to-device
@@ -36,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from strata.kernels import gemv as G
+from strata.kernels import gemv_rr as RR
 from strata.runtime.bench import copy_bandwidth
 from strata.weights import quants
 
@@ -89,6 +91,22 @@ def has_down_shape(name: str) -> bool:
     return I_EXPERT % G.gemv_type(name).block_elems == 0
 
 
+def check_bf16_x(name: str, w: torch.Tensor, wd: torch.Tensor, gen: torch.Generator) -> dict:
+    """The row-register kernel with bf16 x, its x widened by `.to(tl.float32)` and by inline PTX
+    (`gemv_rr.WIDEN_X_ASM`): each against the reference, and "bf16_widen_differing" the count of outputs that
+    differ between the two (the widening is exact either way, so it must be 0)."""
+    x = torch.randn(1, K_MODEL, generator=gen, device="cuda").to(torch.bfloat16)
+    before, ys = RR.WIDEN_X_ASM, []
+    try:
+        for widen in (False, True):
+            RR.WIDEN_X_ASM = widen
+            ys.append(G.gemv(x, w, name, K_MODEL))
+    finally:
+        RR.WIDEN_X_ASM = before
+    return {"gemv_t1_bf16": rel_err(ys[0], x.float(), wd), "gemv_t1_bf16_widen": rel_err(ys[1], x.float(), wd),
+            "bf16_widen_differing": float((ys[0] != ys[1]).sum())}
+
+
 def check_type(name: str, gen: torch.Generator) -> dict:
     """Correctness of every case of one type; returns {case: max relative error}."""
     errs: dict[str, float] = {}
@@ -97,6 +115,8 @@ def check_type(name: str, gen: torch.Generator) -> dict:
     for n_tok in (1, 3):
         x = torch.randn(n_tok, K_MODEL, generator=gen, device="cuda")
         errs[f"gemv_t{n_tok}"] = rel_err(G.gemv(x, w, name, K_MODEL), x, wd)
+    if name in RR.ROW_REGISTER_TYPES:
+        errs.update(check_bf16_x(name, w, wd, gen))
     del wd
     ids = torch.randperm(N_EXPERTS, generator=gen, device="cuda")[:TOP_K].to(torch.int32)
     stack = random_rows(name, (N_EXPERTS, I_EXPERT), K_MODEL, gen)

@@ -34,6 +34,8 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   streams:off                the shared expert on the caller's stream, after the routed experts (no side stream)
   shared:removed             the shared expert's launches left out of the graph (its output from the warm-up; no
                              side stream, so no join before the combine): bounds what a join-free MoE could gain
+  x-widen:0|1                the row-register GEMVs widen bf16 x by inline PTX (1) or `.to(tl.float32)` (0)
+                             (`gemv_rr.WIDEN_X_ASM`)
   shape:KIND:NCH:LO:HI:BR,SBC,WARPS,SPLIT
                              row-register launches of KIND over NCH chunks with LO <= row tiles < HI in this
                              launch shape (`gemv_rr.launch_shape`)
@@ -66,7 +68,7 @@ BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attent
         "RANK_SELECT_MAX_BLOCKS": attention.RANK_SELECT_MAX_BLOCKS, "attend": attention.attend,
         "hc_read_defaults": hyper.hc_read_defaults, "launch_shape": gemv_rr.launch_shape,
         "SETTLED_IDS": kernel_ops.SETTLED_IDS, "RELEASE": dict(gemv_rr.RELEASE), "rr_launch": gemv_rr.launch,
-        "LATE_RELEASE": dict(pdl.LATE_RELEASE),
+        "LATE_RELEASE": dict(pdl.LATE_RELEASE), "WIDEN_X_ASM": gemv_rr.WIDEN_X_ASM,
         "gdn_step": gdn.gdn_step, "PRELOAD": dict(gemv_rr.PRELOAD),
         "GEMV_TYPE_NAMES": dict(kernel_gemv.GEMV_TYPE_NAMES)}
 
@@ -143,6 +145,7 @@ def apply(variant: str) -> dict:
     gemv_rr.launch = BASE["rr_launch"]
     pdl.LATE_RELEASE.update(BASE["LATE_RELEASE"])
     gdn.gdn_step = BASE["gdn_step"]
+    gemv_rr.WIDEN_X_ASM = BASE["WIDEN_X_ASM"]
     gemv_rr.PRELOAD.clear()
     gemv_rr.PRELOAD.update(BASE["PRELOAD"])
     for t in BASE["GEMV_TYPE_NAMES"].values():
@@ -178,6 +181,8 @@ def _apply_one(variant: str) -> dict:
         gemv_rr.launch = _release_for_rows(int(args[0]), int(args[1]))
     elif name == "late" and len(args) == 2 and args[0] in pdl.LATE_RELEASE:
         pdl.LATE_RELEASE[args[0]] = bool(int(args[1]))
+    elif name == "x-widen" and args in (["0"], ["1"]):
+        gemv_rr.WIDEN_X_ASM = args[0] == "1"
     elif name == "shared" and args == ["removed"]:
         return {"branches": _frozen_shared}
     elif name == "streams" and args == ["off"]:

@@ -62,6 +62,17 @@ def _permute(v, base, SEL: tl.constexpr, B: tl.constexpr, POS: tl.constexpr, ASM
 
 
 @triton.jit
+def _xf(v, XA: tl.constexpr):
+    """x as fp32. With XA (bf16 x on the GPU, `WIDEN_X_ASM`) each pair of the loaded words widens in one shift
+    and one mask; `.to(tl.float32)` took a byte permute and a shift for the element in the high half."""
+    if XA and v.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000; }", "=r,=r,r", [v],
+                                         dtype=tl.float32, is_pure=True, pack=2)
+    else:
+        return v.to(tl.float32)
+
+
+@triton.jit
 def _nibble(v, base, B: tl.constexpr, ASM: tl.constexpr):
     """0.5 + (byte B of v) / 256 for bytes < 16 (base = 0x3F000000: the byte lands in byte 2)."""
     return _permute(v, base, 0x7054 | (B << 8), B, 2, ASM)
@@ -105,7 +116,7 @@ def _q4_k_r_load(wp, sb, c, k):
 
 
 @triton.jit
-def _q4_k_r_fma(acc, raw, xb, c, base, ASM: tl.constexpr):
+def _q4_k_r_fma(acc, raw, xb, c, base, ASM: tl.constexpr, XA: tl.constexpr):
     """acc += the chunk's weights times x (xb: x at the first weight of each thread's words)."""
     v0, v1, h0, h1, h2, h3 = raw
     d = _f16_lo(h0)
@@ -125,10 +136,10 @@ def _q4_k_r_fma(acc, raw, xb, c, base, ASM: tl.constexpr):
     l1 = v1 & 0x0F0F0F0F
     u1 = (v1 >> 4) & 0x0F0F0F0F
     for b in tl.static_range(4):
-        acc += tl.fma(_nibble(l0, base, b, ASM), s_lo, -c_lo) * tl.load(xb + 8 * b).to(tl.float32)
-        acc += tl.fma(_nibble(l1, base, b, ASM), s_lo, -c_lo) * tl.load(xb + 8 * b + 4).to(tl.float32)
-        acc += tl.fma(_nibble(u0, base, b, ASM), s_hi, -c_hi) * tl.load(xb + 32 + 8 * b).to(tl.float32)
-        acc += tl.fma(_nibble(u1, base, b, ASM), s_hi, -c_hi) * tl.load(xb + 36 + 8 * b).to(tl.float32)
+        acc += tl.fma(_nibble(l0, base, b, ASM), s_lo, -c_lo) * _xf(tl.load(xb + 8 * b), XA)
+        acc += tl.fma(_nibble(l1, base, b, ASM), s_lo, -c_lo) * _xf(tl.load(xb + 8 * b + 4), XA)
+        acc += tl.fma(_nibble(u0, base, b, ASM), s_hi, -c_hi) * _xf(tl.load(xb + 32 + 8 * b), XA)
+        acc += tl.fma(_nibble(u1, base, b, ASM), s_hi, -c_hi) * _xf(tl.load(xb + 36 + 8 * b), XA)
     return acc
 
 
@@ -141,7 +152,7 @@ def _q8_0_r_load(wp, hp, g, blk, k, D_STRIDE):
 
 
 @triton.jit
-def _q8_0_r_fma(acc, raw, xp, sb, s, blk, k, base, ASM: tl.constexpr):
+def _q8_0_r_fma(acc, raw, xp, sb, s, blk, k, base, ASM: tl.constexpr, XA: tl.constexpr):
     """acc += one Q8_0_R chunk's weights (of groups sb + s) times x."""
     v0, v1, d = raw
     d = d.to(tl.float32)
@@ -149,14 +160,14 @@ def _q8_0_r_fma(acc, raw, xp, sb, s, blk, k, base, ASM: tl.constexpr):
     shift = 32896.0 * d
     xb = xp + (sb + s) * 256 + blk * 32 + k
     for b in tl.static_range(4):
-        acc += tl.fma(_byte(v0, base, b, ASM), scale, -shift) * tl.load(xb + 8 * b).to(tl.float32)
-        acc += tl.fma(_byte(v1, base, b, ASM), scale, -shift) * tl.load(xb + 8 * b + 4).to(tl.float32)
+        acc += tl.fma(_byte(v0, base, b, ASM), scale, -shift) * _xf(tl.load(xb + 8 * b), XA)
+        acc += tl.fma(_byte(v1, base, b, ASM), scale, -shift) * _xf(tl.load(xb + 8 * b + 4), XA)
     return acc
 
 
 @triton.jit
 def _q8_0_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr,
-                 ASM: tl.constexpr, GDC: tl.constexpr, REL: tl.constexpr = False):
+                 ASM: tl.constexpr, GDC: tl.constexpr, REL: tl.constexpr = False, XA: tl.constexpr = False):
     """`_super_block_rows` for Q8_0_R rows: NCH groups of 256 weights."""
     wp = rp.to(tl.pointer_type(tl.int32))[:, None, None, None]
     hp = rp.to(tl.pointer_type(tl.float16))[:, None, None, None]
@@ -172,7 +183,7 @@ def _q8_0_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, B
     for it in tl.range(0, NIT):
         cur = nxt
         nxt = _q8_0_r_load(wp, hp, tl.minimum(it + 1, NIT - 1) * SBC + s, blk, k, D_STRIDE)
-        acc = _q8_0_r_fma(acc, cur, xp, it * SBC, s, blk, k, base, ASM)
+        acc = _q8_0_r_fma(acc, cur, xp, it * SBC, s, blk, k, base, ASM, XA)
     return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
 
 
@@ -184,7 +195,7 @@ def _q5_1_r_load(wp, g, blk, k, D_STRIDE):
 
 
 @triton.jit
-def _q5_1_r_fma(acc, raw, xp, sb, s, blk, k, base, ASM: tl.constexpr):
+def _q5_1_r_fma(acc, raw, xp, sb, s, blk, k, base, ASM: tl.constexpr, XA: tl.constexpr):
     """acc += one Q5_1_R chunk's weights (of groups sb + s) times x."""
     v, dmw, qh = raw
     d = _f16_lo(dmw)
@@ -195,14 +206,15 @@ def _q5_1_r_fma(acc, raw, xp, sb, s, blk, k, base, ASM: tl.constexpr):
     hi = ((v >> 4) & 0x0F0F0F0F) | ((qh << (4 - k)) & 0x10101010)
     xb = xp + (sb + s) * 128 + blk * 32 + k
     for b in tl.static_range(4):
-        acc += tl.fma(_nibble(lo, base, b, ASM), scale, shift) * tl.load(xb + 4 * b).to(tl.float32)
-        acc += tl.fma(_nibble(hi, base, b, ASM), scale, shift) * tl.load(xb + 16 + 4 * b).to(tl.float32)
+        acc += tl.fma(_nibble(lo, base, b, ASM), scale, shift) * _xf(tl.load(xb + 4 * b), XA)
+        acc += tl.fma(_nibble(hi, base, b, ASM), scale, shift) * _xf(tl.load(xb + 16 + 4 * b), XA)
     return acc
 
 
 @triton.jit
 def _q5_1_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr,
-                 ASM: tl.constexpr, GDC: tl.constexpr, PRE: tl.constexpr = 1, REL: tl.constexpr = False):
+                 ASM: tl.constexpr, GDC: tl.constexpr, PRE: tl.constexpr = 1, REL: tl.constexpr = False,
+                 XA: tl.constexpr = False):
     """`_super_block_rows` for Q5_1_R rows: NCH groups of 128 weights (four blocks; a thread takes one block's 16 nibble
     bytes). The fifth bits land on bit 4 of each byte by one shift and one masked OR (`repack.py` placed them),
     and w = d q + m = fma(0.5 + q / 256, 256 d, m - 128 d). The first PRE loop steps' words (up to 6) are in
@@ -225,22 +237,22 @@ def _q5_1_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, B
     acc = tl.zeros([BR, SBC, 4, 4], tl.float32)
     if PRE < NIT:  # the next step's words go out before the preloaded steps' arithmetic
         nxt = _q5_1_r_load(wp, PRE * SBC + s, blk, k, D_STRIDE)
-    acc = _q5_1_r_fma(acc, c0, xp, 0, s, blk, k, base, ASM)
+    acc = _q5_1_r_fma(acc, c0, xp, 0, s, blk, k, base, ASM, XA)
     if PRE > 1:
-        acc = _q5_1_r_fma(acc, c1, xp, SBC, s, blk, k, base, ASM)
+        acc = _q5_1_r_fma(acc, c1, xp, SBC, s, blk, k, base, ASM, XA)
     if PRE > 2:
-        acc = _q5_1_r_fma(acc, c2, xp, 2 * SBC, s, blk, k, base, ASM)
+        acc = _q5_1_r_fma(acc, c2, xp, 2 * SBC, s, blk, k, base, ASM, XA)
     if PRE > 3:
-        acc = _q5_1_r_fma(acc, c3, xp, 3 * SBC, s, blk, k, base, ASM)
+        acc = _q5_1_r_fma(acc, c3, xp, 3 * SBC, s, blk, k, base, ASM, XA)
     if PRE > 4:
-        acc = _q5_1_r_fma(acc, c4, xp, 4 * SBC, s, blk, k, base, ASM)
+        acc = _q5_1_r_fma(acc, c4, xp, 4 * SBC, s, blk, k, base, ASM, XA)
     if PRE > 5:
-        acc = _q5_1_r_fma(acc, c5, xp, 5 * SBC, s, blk, k, base, ASM)
+        acc = _q5_1_r_fma(acc, c5, xp, 5 * SBC, s, blk, k, base, ASM, XA)
     if PRE < NIT:
         for it in tl.range(PRE, NIT):
             cur = nxt
             nxt = _q5_1_r_load(wp, tl.minimum(it + 1, NIT - 1) * SBC + s, blk, k, D_STRIDE)
-            acc = _q5_1_r_fma(acc, cur, xp, it * SBC, s, blk, k, base, ASM)
+            acc = _q5_1_r_fma(acc, cur, xp, it * SBC, s, blk, k, base, ASM, XA)
     return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
 
 
@@ -256,7 +268,7 @@ def _q6_k_r_load(wp, sb, c, k):
 
 
 @triton.jit
-def _q6_k_r_fma(acc, raw, xb, c, base, ASM: tl.constexpr):
+def _q6_k_r_fma(acc, raw, xb, c, base, ASM: tl.constexpr, XA: tl.constexpr):
     """acc += the chunk's weights times x (xb: x at the first weight of each thread's words). The top two bits
     land on bits 4-5 of each nibble byte by one shift and one mask, and w = S (q - 32) = fma(0.5 + q / 256, 256 S,
     -160 S) with S = d sc: 160 S is exact (S has at most 19 significant bits), so the FMA rounds S (q - 32) once,
@@ -275,16 +287,16 @@ def _q6_k_r_fma(acc, raw, xb, c, base, ASM: tl.constexpr):
     for b in tl.static_range(4):
         s_lo = s0 if b < 2 else s1
         s_hi = s2 if b < 2 else s3
-        acc += tl.fma(_nibble(l0, base, b, ASM), 256.0 * s_lo, -160.0 * s_lo) * tl.load(xb + 8 * b).to(tl.float32)
-        acc += tl.fma(_nibble(l1, base, b, ASM), 256.0 * s_lo, -160.0 * s_lo) * tl.load(xb + 8 * b + 4).to(tl.float32)
-        acc += tl.fma(_nibble(u0, base, b, ASM), 256.0 * s_hi, -160.0 * s_hi) * tl.load(xb + 32 + 8 * b).to(tl.float32)
-        acc += tl.fma(_nibble(u1, base, b, ASM), 256.0 * s_hi, -160.0 * s_hi) * tl.load(xb + 36 + 8 * b).to(tl.float32)
+        acc += tl.fma(_nibble(l0, base, b, ASM), 256.0 * s_lo, -160.0 * s_lo) * _xf(tl.load(xb + 8 * b), XA)
+        acc += tl.fma(_nibble(l1, base, b, ASM), 256.0 * s_lo, -160.0 * s_lo) * _xf(tl.load(xb + 8 * b + 4), XA)
+        acc += tl.fma(_nibble(u0, base, b, ASM), 256.0 * s_hi, -160.0 * s_hi) * _xf(tl.load(xb + 32 + 8 * b), XA)
+        acc += tl.fma(_nibble(u1, base, b, ASM), 256.0 * s_hi, -160.0 * s_hi) * _xf(tl.load(xb + 36 + 8 * b), XA)
     return acc
 
 
 @triton.jit
 def _super_block_rows(rp, xp, base, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr, ASM: tl.constexpr,
-                      GDC: tl.constexpr, Q6: tl.constexpr, REL: tl.constexpr = False):
+                      GDC: tl.constexpr, Q6: tl.constexpr, REL: tl.constexpr = False, XA: tl.constexpr = False):
     """[BR] fp32: the Q4_K_R rows (Q6_K_R with Q6) at byte pointers rp (16-byte aligned) times x at xp ([BR, 1, 1,
     1] pointers, one x), NCH super-blocks, SBC per loop step, the next step's words loaded before this one's
     arithmetic. The first step's words are in flight before `pdl.wait(GDC)`."""
@@ -304,9 +316,9 @@ def _super_block_rows(rp, xp, base, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl
         nxt = _q6_k_r_load(wp, sb, c, k) if Q6 else _q4_k_r_load(wp, sb, c, k)
         xb = xp + (it * SBC + s) * 256 + c * 64 + k
         if Q6:
-            acc = _q6_k_r_fma(acc, cur, xb, c, base, ASM)
+            acc = _q6_k_r_fma(acc, cur, xb, c, base, ASM, XA)
         else:
-            acc = _q4_k_r_fma(acc, cur, xb, c, base, ASM)
+            acc = _q4_k_r_fma(acc, cur, xb, c, base, ASM, XA)
     return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
 
 
@@ -323,7 +335,7 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
                SBC: tl.constexpr, BR: tl.constexpr, GLU: tl.constexpr,
                HAS_IDS: tl.constexpr, ASM: tl.constexpr, SPLIT_SUM: tl.constexpr, SPLIT: tl.constexpr = 1,
                SLOT_SUM: tl.constexpr = 0, IDS_EARLY: tl.constexpr = False, RELEASE: tl.constexpr = 0,
-               PRE: tl.constexpr = 1, GDC: tl.constexpr = False):
+               PRE: tl.constexpr = 1, XW: tl.constexpr = False, GDC: tl.constexpr = False):
     """out[slot, rows] = W[slot's matrix][rows] . x[slot], or with GLU act(G . x) * (U . x), for one token.
 
     Program (i, slot, s): BR rows of the matrix of `slot` (expert ids[slot] when HAS_IDS), or with GLU BR / 2 rows
@@ -351,6 +363,7 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
     elif RELEASE == 2:
         pdl.started(GDC)
     REL: tl.constexpr = RELEASE == 1 and (IDS_EARLY or not HAS_IDS)  # started by the K loop's helper, at its wait
+    XA: tl.constexpr = ASM and XW
     pid = tl.program_id(0)
     slot = tl.program_id(1).to(tl.int64)
     part = tl.program_id(2)
@@ -372,13 +385,13 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
     xp = (x_ptr + slot * x_slot_stride + part * (NC * CHUNK_ELEMS) + r * X_ROW_STRIDE)[:, None, None, None]
     if KIND == "Q4_K_R" or KIND == "Q6_K_R":
         res = _super_block_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, NC, SBC, BR, ASM,
-                                GDC and (IDS_EARLY or not HAS_IDS), KIND == "Q6_K_R", REL)
+                                GDC and (IDS_EARLY or not HAS_IDS), KIND == "Q6_K_R", REL, XA)
     elif KIND == "Q8_0_R":
         res = _q8_0_r_rows(rp, xp, tl.full([BR, SBC, 8, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
-                           GDC and (IDS_EARLY or not HAS_IDS), REL)
+                           GDC and (IDS_EARLY or not HAS_IDS), REL, XA)
     else:
         res = _q5_1_r_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
-                           GDC and (IDS_EARLY or not HAS_IDS), PRE, REL)
+                           GDC and (IDS_EARLY or not HAS_IDS), PRE, REL, XA)
     if RELEASE == 0:
         pdl.started(GDC)
     last = 1
@@ -453,6 +466,13 @@ more for Q8_0_R (the same code, measured on 53861cb), which the projection group
 (4.67-4.72 ms: their early programs slow the HC read before them)."""
 
 
+WIDEN_X_ASM = False
+"""Whether bf16 x is widened to fp32 by inline PTX on the GPU (`_xf`: one shift or one mask per element, against a
+byte permute and a shift for every second element by `.to(tl.float32)`), the same values either way. Compiled for
+sm_90 (`tools/gemv_sass.py --x-widen`), the K loops' instructions per weight fall Q4_K_R 6.25 -> 5.89 (its GLU 6.41
+-> 5.89), Q8_0_R 5.81 -> 5.03, Q5_1_R 6.38 -> 5.88, Q6_K_R 6.31 -> 5.83 with the same loads
+(bench/results/2026-12-04-cpu-gemv-sass-x-widen.json). Off until measured in the step on an H200 (`tools/step_variants.py x-widen:1`)."""
+
 def preload_steps(kind: str, steps: int) -> int:
     """The K-loop steps of a `kind` launch of `steps` steps loaded before its PDL wait (`PRELOAD`; Q5_1_R only)."""
     return max(1, min(PRELOAD.get(kind, 1), steps, 6))
@@ -497,5 +517,5 @@ def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None
         GLU=glu, HAS_IDS=ids is not None, ASM=x.device.type == "cuda", SPLIT_SUM=split_sum, SPLIT=split,
         SLOT_SUM=slots if slot_weights is not None else 0, IDS_EARLY=ids_early and ids is not None,
         RELEASE=RELEASE["plain" if ids is None else "settled-ids" if ids_early else "ids"],
-        PRE=preload_steps(kind, k // CHUNK[kind][0] // (split * sbc)),
+        PRE=preload_steps(kind, k // CHUNK[kind][0] // (split * sbc)), XW=WIDEN_X_ASM,
         num_warps=warps, **gdc)
