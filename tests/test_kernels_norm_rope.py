@@ -78,6 +78,41 @@ def test_norm_rope_bf16_matches_reference(L, heads, d, r):
         assert ((got[..., r:].float() - y[..., r:].float()).abs() <= ulp_bf16(y[..., r:])).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shapes", [((1, 4, 128), (1, 16, 256)), ((3, 2, 24), (3, 5, 40)), ((2, 1, 96), (2, 3, 96))])
+def test_norm_rope_pair_is_two_norm_ropes_in_one_launch(dtype, shapes):
+    """A QSA layer's indexer and attention queries (different heads and head dims, the second a strided slice)
+    in one launch: the same bits as two `norm_rope` launches, which match the reference (tests above)."""
+    (L, h1, d1), (_, h2, d2) = shapes
+    r = 8 if min(d1, d2) < 64 else 64
+    x1, s1, cos, sin = inputs(L, h1, d1, r, dtype, seed=d1)
+    x2, s2, _, _ = inputs(L, h2, d2, r, dtype, seed=d2 + 1, strided=True)
+    assert norm_rope.pair_supported([x1, x2], [s1, s2], cos)
+    got = norm_rope.norm_ropes([x1, x2], [s1, s2], cos, sin, 1e-6)
+    assert [g.shape for g in got] == [x1.shape, x2.shape] and all(g.dtype == dtype for g in got)
+    assert got[0].equal(norm_rope.norm_rope(x1, s1, cos, sin, 1e-6))
+    assert got[1].equal(norm_rope.norm_rope(x2, s2, cos, sin, 1e-6))
+    assert not norm_rope.pair_supported([x1, x2[1:]], [s1, s2], cos)  # token counts differ
+    assert not norm_rope.pair_supported([x1, x2.float() if dtype != torch.float32 else x2.half()], [s1, s2], cos)
+
+
+def test_norm_ropes_entry_dispatch():
+    """The fused table runs the pair kernel on forced or CUDA inputs, else the reference's loop over the given
+    `norm_rope`; more than two tensors go through that loop too."""
+    x1, s1, cos, sin = inputs(2, 2, 24, 8, torch.float32, seed=3)
+    x2, s2, _, _ = inputs(2, 3, 40, 8, torch.float32, seed=4)
+    want = [norm_rope_ref(x, s, cos, sin, 1e-6) for x, s in ((x1, s1), (x2, s2))]
+    plain = fused_ops(Ops()).norm_ropes([x1, x2], [s1, s2], cos, sin, 1e-6, norm_rope_ref)
+    assert all(g.equal(w) for g, w in zip(plain, want))
+    calls = []
+    forced = fused_ops(Ops(), force=True).norm_ropes([x1, x2], [s1, s2], cos, sin, 1e-6,
+                                                     lambda *a: calls.append(a) or norm_rope_ref(*a))
+    assert not calls and all((g - w).abs().max() <= 1e-6 * 4 for g, w in zip(forced, want))
+    three = fused_ops(Ops(), force=True).norm_ropes([x1, x2, x1], [s1, s2, s1], cos, sin, 1e-6,
+                                                    lambda *a: calls.append(a) or norm_rope_ref(*a))
+    assert len(calls) == 3 and three[2].equal(want[0])
+
+
 def test_norm_rope_with_model_tables():
     cfg = ModelConfig.from_hf_dict(reference.CONFIGS["tiny"])
     cos, sin = rope_tables(torch.tensor([0, 5, 17]), cfg, torch.float32)
@@ -102,10 +137,14 @@ def tiny_weights(tmp_path_factory):
     return load_hf(reference.save(reference.build("tiny", indexer_n_heads=4), tmp_path_factory.mktemp("tiny")))
 
 
-def test_norm_rope_only_ops_match_reference(tiny_weights):
-    """Only norm_rope replaced: the decode equals the reference path to fp32 summation order."""
+@pytest.mark.parametrize("pair", [False, True])
+def test_norm_rope_only_ops_match_reference(tiny_weights, pair):
+    """Only norm_rope (and the query pair's op) replaced: the decode equals the reference path to fp32 summation
+    order."""
     ref = Engine(tiny_weights)
-    fast = Engine(tiny_weights, ops=Ops(norm_rope=fused_ops(Ops(), force=True).norm_rope))
+    fused = fused_ops(Ops(), force=True)
+    swaps = dict(norm_rope=fused.norm_rope, norm_ropes=fused.norm_ropes) if pair else dict(norm_rope=fused.norm_rope)
+    fast = Engine(tiny_weights, ops=Ops(**swaps))
     ids = torch.randint(2, ref.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(5)).tolist()
     reference.assert_decodes_match(ref, fast, ids, prompt=4)
 

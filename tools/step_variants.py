@@ -34,6 +34,8 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   streams:off                the shared expert on the caller's stream, after the routed experts (no side stream)
   shared:removed             the shared expert's launches left out of the graph (its output from the warm-up; no
                              side stream, so no join before the combine): bounds what a join-free MoE could gain
+  norm-ropes:split           the QSA layer's two query norm+RoPE ops in two launches (`qsa.norm_ropes_ref` over the
+                             single kernel) instead of one (`norm_rope.norm_ropes`)
   x-widen:0|1                the row-register GEMVs widen bf16 x by inline PTX (1) or `.to(tl.float32)` (0)
                              (`gemv_rr.WIDEN_X_ASM`)
   shape:KIND:NCH:LO:HI:BR,SBC,WARPS,SPLIT
@@ -60,6 +62,7 @@ from strata.kernels import gemv as kernel_gemv  # noqa: E402
 from strata.kernels import ops as kernel_ops  # noqa: E402
 from strata.model.model import Model  # noqa: E402
 from strata.model.ops import branches_ref  # noqa: E402
+from strata.model.qsa import norm_ropes_ref  # noqa: E402
 from strata.runtime import bench  # noqa: E402
 from strata.runtime.placement import fast_ops, gpu_layout  # noqa: E402
 from strata.runtime.synthetic import TypeMix, real_config, synthetic_weights  # noqa: E402
@@ -181,6 +184,8 @@ def _apply_one(variant: str) -> dict:
         gemv_rr.launch = _release_for_rows(int(args[0]), int(args[1]))
     elif name == "late" and len(args) == 2 and args[0] in pdl.LATE_RELEASE:
         pdl.LATE_RELEASE[args[0]] = bool(int(args[1]))
+    elif name == "norm-ropes" and args == ["split"]:
+        return {"norm_ropes": norm_ropes_ref}
     elif name == "x-widen" and args in (["0"], ["1"]):
         gemv_rr.WIDEN_X_ASM = args[0] == "1"
     elif name == "shared" and args == ["removed"]:

@@ -49,6 +49,7 @@ def fused_ops(base: Ops, force: bool = False) -> Ops:
         "hc_read": (lambda *a: hyper.hc_read(*a[:7]),  # the kernel needs no `linear`
                     lambda x, n, down, up, inj, *_: hyper.supported(x, down, up, inj)),
         "norm_rope": (norm_rope_kernel.norm_rope, lambda x, scale, cos, *_: norm_rope_kernel.supported(x, scale, cos)),
+        "norm_ropes": (norm_rope_kernel.norm_ropes, norm_rope_kernel.pair_supported),
         "rope": (norm_rope_kernel.rope_at, norm_rope_kernel.rope_supported),
         "route": (moe.route, lambda logits, k, _: moe.route_supported(logits, k)),
         "moe_combine": (moe.moe_combine, moe.combine_supported),

@@ -12,6 +12,8 @@ it by at most about one bf16 ulp.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -36,11 +38,9 @@ def _round(v, DT: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, scale_ptr, cos_ptr, sin_ptr, out_ptr, HEADS, sxl, sxh, scl, ssl, eps,
-                      D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False):
-    pdl.started(GDC)
-    pdl.wait(GDC)
-    row = tl.program_id(0)
+def _norm_rope_row(x_ptr, scale_ptr, cos_ptr, sin_ptr, out_ptr, row, HEADS, sxl, sxh, scl, ssl, eps,
+                   D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr):
+    """Row `row` (token row // HEADS, head row % HEADS) of x normalised and rotated into out (contiguous)."""
     l = row // HEADS
     h = row % HEADS
     d = tl.arange(0, BD)
@@ -52,6 +52,30 @@ def _norm_rope_kernel(x_ptr, scale_ptr, cos_ptr, sin_ptr, out_ptr, HEADS, sxl, s
     xp = tl.load(base + pd, mask=d < R, other=0.0).to(tl.float32)
     out = normed_rotated(x, xp, rs, scale_ptr, cos_ptr + l * scl, sin_ptr + l * ssl, d, dm, R, DT)
     tl.store(out_ptr + row * D + d, out.to(DT), mask=dm)
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, scale_ptr, cos_ptr, sin_ptr, out_ptr, HEADS, sxl, sxh, scl, ssl, eps,
+                      D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False):
+    pdl.started(GDC)
+    pdl.wait(GDC)
+    _norm_rope_row(x_ptr, scale_ptr, cos_ptr, sin_ptr, out_ptr, tl.program_id(0), HEADS, sxl, sxh, scl, ssl, eps,
+                   D, R, BD, DT)
+
+
+@triton.jit
+def _norm_rope_pair_kernel(x1_ptr, s1_ptr, o1_ptr, H1, sx1l, sx1h, x2_ptr, s2_ptr, o2_ptr, H2, sx2l, sx2h, ROWS1,
+                           cos_ptr, sin_ptr, scl, ssl, eps, D1: tl.constexpr, BD1: tl.constexpr, D2: tl.constexpr,
+                           BD2: tl.constexpr, R: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False):
+    """`_norm_rope_kernel` over two tensors at the same positions: programs below ROWS1 take the first."""
+    pdl.started(GDC)
+    pdl.wait(GDC)
+    row = tl.program_id(0)
+    if row < ROWS1:
+        _norm_rope_row(x1_ptr, s1_ptr, cos_ptr, sin_ptr, o1_ptr, row, H1, sx1l, sx1h, scl, ssl, eps, D1, R, BD1, DT)
+    else:
+        _norm_rope_row(x2_ptr, s2_ptr, cos_ptr, sin_ptr, o2_ptr, row - ROWS1, H2, sx2l, sx2h, scl, ssl, eps, D2, R,
+                       BD2, DT)
 
 
 @triton.jit
@@ -100,6 +124,32 @@ def norm_rope(x: torch.Tensor, scale: torch.Tensor, cos: torch.Tensor, sin: torc
                                     sin.stride(0), eps, D=d, R=r, BD=triton.next_power_of_2(d),
                                     DT=TL_DTYPES[x.dtype], **pdl.launch(x.device))
     return out
+
+
+def pair_supported(xs: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], cos: torch.Tensor, *_) -> bool:
+    """Two tensors `norm_rope` takes, of one dtype and one token count (the rows of the same positions)."""
+    return (len(xs) == len(scales) == 2 and all(supported(x, s, cos) for x, s in zip(xs, scales))
+            and xs[0].dtype == xs[1].dtype and xs[0].shape[0] == xs[1].shape[0])
+
+
+def norm_ropes(xs: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+               eps: float, norm_rope_op=None) -> list[torch.Tensor]:
+    """`norm_rope` of two tensors at the same positions (a QSA layer's indexer and attention queries) in one
+    launch: the twin of `strata.model.qsa.norm_ropes_ref` (`pair_supported` inputs; `norm_rope_op` unused). Each
+    row is computed as `norm_rope` computes it, so the outputs are the same bits."""
+    (x1, x2), (s1, s2) = xs, scales
+    outs = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
+    rows1, rows2 = x1.shape[0] * x1.shape[1], x2.shape[0] * x2.shape[1]
+    if rows1 + rows2 == 0:
+        return outs
+    if sin.stride(-1) != 1:
+        sin = sin.contiguous()
+    _norm_rope_pair_kernel[(rows1 + rows2,)](
+        x1, s1, outs[0], x1.shape[1], x1.stride(0), x1.stride(1), x2, s2, outs[1], x2.shape[1], x2.stride(0),
+        x2.stride(1), rows1, cos, sin, cos.stride(0), sin.stride(0), eps, D1=x1.shape[2],
+        BD1=triton.next_power_of_2(x1.shape[2]), D2=x2.shape[2], BD2=triton.next_power_of_2(x2.shape[2]),
+        R=cos.shape[-1], DT=TL_DTYPES[x1.dtype], **pdl.launch(x1.device))
+    return outs
 
 
 @triton.jit

@@ -19,7 +19,7 @@ from strata.model.gdn import gdn_core_ref
 from strata.model.hyper import hc_read_ref, hc_write_read_ref, hc_write_ref
 from strata.model.moe import moe_combine_ref, route_ref
 from strata.model.ple import decode_rows_ref, ple_mix_ref
-from strata.model.qsa import Rope, norm_rope_ref, qsa_store_ref, select_tokens
+from strata.model.qsa import Rope, norm_rope_ref, norm_ropes_ref, qsa_store_ref, select_tokens
 from strata.weights.tensor import StoredTensor
 
 
@@ -69,6 +69,7 @@ class Ops:
     qsa_store: Callable = qsa_store_ref
     hc_read: Callable = hc_read_ref  # (x, norm, down, up, inject|None, S, eps, linear) -> (a, inject weights)
     norm_rope: Callable = norm_rope_ref  # (x (L, heads, d), scale (d,) fp32, cos, sin (L, r), eps) -> (L, heads, d)
+    norm_ropes: Callable = norm_ropes_ref  # ([x...], [scale...], cos, sin, eps, norm_rope) -> [norm_rope of each]
     rope: Callable = Rope.at  # (positions (L,), cfg, dtype) -> Rope: the call's RoPE tables
     route: Callable = route_ref  # (logits (L, E), k, norm_topk_prob) -> (top_i (L, k) int64, top_w (L, k))
     moe_combine: Callable = moe_combine_ref  # (routed, gate_logit (L, 1), shared) -> (L, H)

@@ -11,7 +11,7 @@ so the same code runs inside a captured CUDA graph.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -55,6 +55,13 @@ def norm_rope_ref(x: torch.Tensor, scale: torch.Tensor, cos: torch.Tensor, sin: 
     """Per-head RMSNorm then RoPE: x (L, heads, d) model dtype, scale (d,) fp32, cos/sin (L, r) -> (L, heads, d).
     The norm's statistics and scale multiply are fp32, cast to x's dtype; the rotation is in x's dtype."""
     return apply_rope(rms_norm(x, scale, eps), cos, sin)
+
+
+def norm_ropes_ref(xs: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                   eps: float, norm_rope: Callable = norm_rope_ref) -> list[torch.Tensor]:
+    """`norm_rope` of several tensors at the same positions (a QSA layer's indexer and attention queries), each
+    with its scale: one op, so that a fast backend can run them in one launch."""
+    return [norm_rope(x, s, cos, sin, eps) for x, s in zip(xs, scales, strict=True)]
 
 
 @dataclass
@@ -167,10 +174,11 @@ def qsa_layer(a: torch.Tensor, positions: torch.Tensor, rope: Rope, n_keys: int,
     # completes), then the indexer's selection and the gated attention over the selected rows.
     ops.qsa_store(state, positions, ki, k, v, rope, w[p + "idx.k_norm"].dense(torch.float32, dev),
                   w[p + "attn.k_norm"].dense(torch.float32, dev), cfg, static, ops.norm_rope)
-    qi = ops.norm_rope(qi.reshape(L, hi, di), w[p + "idx.q_norm"].dense(torch.float32, dev), cos, sin, eps)
-    idx, ok = ops.select_tokens(qi, state.idx_blocks[: n_keys // c], positions, cfg)
     qg = qg.reshape(L, hq, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:]  # per head [query | gate]
-    q = ops.norm_rope(q, w[p + "attn.q_norm"].dense(torch.float32, dev), cos, sin, eps)
+    qi, q = ops.norm_ropes([qi.reshape(L, hi, di), q], [w[p + "idx.q_norm"].dense(torch.float32, dev),
+                                                         w[p + "attn.q_norm"].dense(torch.float32, dev)],
+                           cos, sin, eps, ops.norm_rope)
+    idx, ok = ops.select_tokens(qi, state.idx_blocks[: n_keys // c], positions, cfg)
     o = ops.attend(q, state, idx, ok, cfg, gate)
     return ops.linear(o, w[p + "attn.o"], w.get(p + "attn.o_bias"))

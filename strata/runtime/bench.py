@@ -89,8 +89,8 @@ class StageTimes:
 
 
 _OP_STAGES = {"mlp": "shared", "attend": "qsa.attend", "select_tokens": "qsa.select", "gdn_core": "gdn.core", "hc_read": "hc",
-              "route": "router", "moe_combine": "shared", "norm_rope": "qsa.norm_rope", "hc_write": "hc",
-              "ple_mix": "ple", "hc_write_read": "hc", "decode_rows": "ple", "qsa_store": "qsa.store"}
+              "route": "router", "moe_combine": "shared", "norm_rope": "qsa.norm_rope", "norm_ropes": "qsa.norm_rope",
+              "hc_write": "hc", "ple_mix": "ple", "hc_write_read": "hc", "decode_rows": "ple", "qsa_store": "qsa.store"}
 
 
 def _stage_of_linear(name: str) -> str:
