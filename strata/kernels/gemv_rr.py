@@ -295,30 +295,66 @@ def _q6_k_r_fma(acc, raw, xb, c, base, ASM: tl.constexpr, XA: tl.constexpr):
 
 
 @triton.jit
+def _sb_load(wp, sb, c, k, Q6: tl.constexpr):
+    return _q6_k_r_load(wp, sb, c, k) if Q6 else _q4_k_r_load(wp, sb, c, k)
+
+
+@triton.jit
+def _sb_fma(acc, raw, xp, sb0, s, c, k, base, ASM: tl.constexpr, XA: tl.constexpr, Q6: tl.constexpr):
+    """acc += one step's super-blocks (sb0 + s) times x."""
+    xb = xp + (sb0 + s) * 256 + c * 64 + k
+    if Q6:
+        return _q6_k_r_fma(acc, raw, xb, c, base, ASM, XA)
+    else:
+        return _q4_k_r_fma(acc, raw, xb, c, base, ASM, XA)
+
+
+@triton.jit
 def _super_block_rows(rp, xp, base, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr, ASM: tl.constexpr,
-                      GDC: tl.constexpr, Q6: tl.constexpr, REL: tl.constexpr = False, XA: tl.constexpr = False):
+                      GDC: tl.constexpr, Q6: tl.constexpr, REL: tl.constexpr = False, XA: tl.constexpr = False,
+                      PRE: tl.constexpr = 1):
     """[BR] fp32: the Q4_K_R rows (Q6_K_R with Q6) at byte pointers rp (16-byte aligned) times x at xp ([BR, 1, 1,
     1] pointers, one x), NCH super-blocks, SBC per loop step, the next step's words loaded before this one's
-    arithmetic. The first step's words are in flight before `pdl.wait(GDC)`."""
+    arithmetic. The first PRE steps' words (up to 4) are in flight before `pdl.wait(GDC)`; with PRE > 1 the
+    steps' sums are added in the same order, so the result is the same."""
     wp = rp.to(tl.pointer_type(tl.int32))[:, None, None, None]
     s = tl.arange(0, SBC)[None, :, None, None]
     c = tl.arange(0, 4)[None, None, :, None]
     k = tl.arange(0, 4)[None, None, None, :]
     NIT: tl.constexpr = NCH // SBC
-    nxt = _q6_k_r_load(wp, s, c, k) if Q6 else _q4_k_r_load(wp, s, c, k)
-    pdl.wait(GDC)
-    if REL:
-        pdl.started(GDC)
-    acc = tl.zeros([BR, SBC, 4, 4], tl.float32)
-    for it in tl.range(0, NIT):
-        cur = nxt
-        sb = tl.minimum(it + 1, NIT - 1) * SBC + s
-        nxt = _q6_k_r_load(wp, sb, c, k) if Q6 else _q4_k_r_load(wp, sb, c, k)
-        xb = xp + (it * SBC + s) * 256 + c * 64 + k
-        if Q6:
-            acc = _q6_k_r_fma(acc, cur, xb, c, base, ASM, XA)
-        else:
-            acc = _q4_k_r_fma(acc, cur, xb, c, base, ASM, XA)
+    tl.static_assert(1 <= PRE and PRE <= 4 and PRE <= NIT, "preloaded steps: 1 .. min(4, loop steps)")
+    if PRE == 1:
+        nxt = _sb_load(wp, s, c, k, Q6)
+        pdl.wait(GDC)
+        if REL:
+            pdl.started(GDC)
+        acc = tl.zeros([BR, SBC, 4, 4], tl.float32)
+        for it in tl.range(0, NIT):
+            cur = nxt
+            nxt = _sb_load(wp, tl.minimum(it + 1, NIT - 1) * SBC + s, c, k, Q6)
+            acc = _sb_fma(acc, cur, xp, it * SBC, s, c, k, base, ASM, XA, Q6)
+    else:
+        c0 = _sb_load(wp, s, c, k, Q6)
+        c1 = _sb_load(wp, SBC + s, c, k, Q6)
+        c2 = _sb_load(wp, 2 * SBC + s, c, k, Q6) if PRE > 2 else c0
+        c3 = _sb_load(wp, 3 * SBC + s, c, k, Q6) if PRE > 3 else c0
+        pdl.wait(GDC)
+        if REL:
+            pdl.started(GDC)
+        acc = tl.zeros([BR, SBC, 4, 4], tl.float32)
+        if PRE < NIT:  # the next step's words go out before the preloaded steps' arithmetic
+            nxt = _sb_load(wp, PRE * SBC + s, c, k, Q6)
+        acc = _sb_fma(acc, c0, xp, 0, s, c, k, base, ASM, XA, Q6)
+        acc = _sb_fma(acc, c1, xp, SBC, s, c, k, base, ASM, XA, Q6)
+        if PRE > 2:
+            acc = _sb_fma(acc, c2, xp, 2 * SBC, s, c, k, base, ASM, XA, Q6)
+        if PRE > 3:
+            acc = _sb_fma(acc, c3, xp, 3 * SBC, s, c, k, base, ASM, XA, Q6)
+        if PRE < NIT:
+            for it in tl.range(PRE, NIT):
+                cur = nxt
+                nxt = _sb_load(wp, tl.minimum(it + 1, NIT - 1) * SBC + s, c, k, Q6)
+                acc = _sb_fma(acc, cur, xp, it * SBC, s, c, k, base, ASM, XA, Q6)
     return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
 
 
@@ -385,7 +421,7 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
     xp = (x_ptr + slot * x_slot_stride + part * (NC * CHUNK_ELEMS) + r * X_ROW_STRIDE)[:, None, None, None]
     if KIND == "Q4_K_R" or KIND == "Q6_K_R":
         res = _super_block_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, NC, SBC, BR, ASM,
-                                GDC and (IDS_EARLY or not HAS_IDS), KIND == "Q6_K_R", REL, XA)
+                                GDC and (IDS_EARLY or not HAS_IDS), KIND == "Q6_K_R", REL, XA, PRE)
     elif KIND == "Q8_0_R":
         res = _q8_0_r_rows(rp, xp, tl.full([BR, SBC, 8, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
                            GDC and (IDS_EARLY or not HAS_IDS), REL, XA)
@@ -458,8 +494,8 @@ read them before their wait). Measured in the 4K step on an H200 (`tools/step_va
   with FIRST): its successor's programs hold SM slots; in the step the successors are other, smaller launches."""
 
 PRELOAD = {"Q5_1_R": 5}
-"""Loop steps of a launch's K loop whose words are loaded before its PDL wait, by type (at most 6; the other types
-load one): more of the weights in flight while the kernel before runs, for more registers. In the 4K step on an
+"""Loop steps of a launch's K loop whose words are loaded before its PDL wait, by type (at most `MAX_PRELOAD`; the
+other types load one): more of the weights in flight while the kernel before runs, for more registers. In the 4K step on an
 H200 (bench/results/2026-12-04-h200-step-variants-preload.json): the routed down projections (Q5_1_R, five
 steps) with all five, 4.598-4.609 -> 4.568 ms per replay (their share of a layer's path 9.4 -> 7.2 us). Two or
 more for Q8_0_R (the same code, measured on 53861cb), which the projection groups share, made the step slower
@@ -471,11 +507,18 @@ WIDEN_X_ASM = False
 byte permute and a shift for every second element by `.to(tl.float32)`), the same values either way. Compiled for
 sm_90 (`tools/gemv_sass.py --x-widen`), the K loops' instructions per weight fall Q4_K_R 6.25 -> 5.89 (its GLU 6.41
 -> 5.89), Q8_0_R 5.81 -> 5.03, Q5_1_R 6.38 -> 5.88, Q6_K_R 6.31 -> 5.83 with the same loads
-(bench/results/2026-12-04-cpu-gemv-sass-x-widen.json). Off until measured in the step on an H200 (`tools/step_variants.py x-widen:1`)."""
+(bench/results/2026-12-04-cpu-gemv-sass-x-widen.json). Off until measured in the step on an H200
+(`tools/step_variants.py x-widen:1`)."""
+
 
 def preload_steps(kind: str, steps: int) -> int:
-    """The K-loop steps of a `kind` launch of `steps` steps loaded before its PDL wait (`PRELOAD`; Q5_1_R only)."""
-    return max(1, min(PRELOAD.get(kind, 1), steps, 6))
+    """The K-loop steps of a `kind` launch of `steps` steps loaded before its PDL wait (`PRELOAD`, at most
+    `MAX_PRELOAD`)."""
+    return max(1, min(PRELOAD.get(kind, 1), steps, MAX_PRELOAD.get(kind, 1)))
+
+
+MAX_PRELOAD = {"Q5_1_R": 6, "Q4_K_R": 4, "Q6_K_R": 4}
+"""The most loop steps each kernel path can load before its wait (Q8_0_R: one)."""
 
 
 SPLIT_MIN_PROGRAMS = 2048
