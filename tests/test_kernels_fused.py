@@ -320,6 +320,30 @@ def test_greedy_and_device_sampler():
     assert [int(s(logits)) for _ in range(4)] == first
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("V,block", [(1000, 128), (4097, 4096), (5, 4), (248320, 4096)])
+def test_argmax_kernel_is_torchs_argmax(V, block, dtype):
+    """The decode step's greedy choice (`sample.argmax`, per-block keys and a ticket) is torch's index: random
+    values, a tie across blocks (the first), -0.0 against a later +0.0 (equal: the first), every NaN above +inf
+    whatever its sign (the first NaN), all -inf (index 0); the ticket counter is back at 0 after each call."""
+    from strata.kernels.gemv import tickets
+
+    x = torch.randn(V, generator=torch.Generator().manual_seed(V)).to(dtype)
+    ties = torch.zeros(V, dtype=dtype)
+    ties[V // 2] = ties[V - 1] = 3
+    zeros = torch.full((V,), -1.0, dtype=dtype)
+    zeros[V // 3] = -0.0
+    zeros[V // 3 + 1:] = 0.0
+    nan = x.clone()
+    nan[1], nan[V - 2], nan[V - 1] = float("inf"), -float("nan"), float("nan")  # the first NaN with its sign set
+    for t in (x, ties, zeros, nan, torch.full((V,), float("-inf"), dtype=dtype), x.reshape(1, V)):
+        got = sample.argmax(t, block)
+        assert got.shape == () and got.dtype == torch.int64 and int(got) == int(t.argmax())
+        assert int(tickets(t.device)[0]) == 0
+    with pytest.raises(ValueError, match="contiguous float"):
+        sample.argmax(torch.zeros(4, 2)[:, 0])
+
+
 # ------------------------------------------------------------------------------------------------ op table
 def test_fused_ops_dispatch_to_the_reference_off_cuda():
     base = Ops()

@@ -35,6 +35,8 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   streams:off                the shared expert on the caller's stream, after the routed experts (no side stream)
   shared:removed             the shared expert's launches left out of the graph (its output from the warm-up; no
                              side stream, so no join before the combine): bounds what a join-free MoE could gain
+  argmax:torch               the greedy step ends in torch's argmax (a memset and a reduction) instead of one Triton
+                             launch (`graph.greedy_token`)
   norm-ropes:split           the QSA layer's two query norm+RoPE ops in two launches (`qsa.norm_ropes_ref` over the
                              single kernel) instead of one (`norm_rope.norm_ropes`)
   x-widen:0|1                the row-register GEMVs widen bf16 x by inline PTX (1) or `.to(tl.float32)` (0)
@@ -64,7 +66,7 @@ from strata.kernels import ops as kernel_ops  # noqa: E402
 from strata.model.model import Model  # noqa: E402
 from strata.model.ops import branches_ref  # noqa: E402
 from strata.model.qsa import norm_ropes_ref  # noqa: E402
-from strata.runtime import bench  # noqa: E402
+from strata.runtime import bench, graph  # noqa: E402
 from strata.runtime.placement import fast_ops, gpu_layout  # noqa: E402
 from strata.runtime.synthetic import TypeMix, real_config, synthetic_weights  # noqa: E402
 
@@ -74,7 +76,7 @@ BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attent
         "SETTLED_IDS": kernel_ops.SETTLED_IDS, "RELEASE": dict(gemv_rr.RELEASE), "rr_launch": gemv_rr.launch,
         "LATE_RELEASE": dict(pdl.LATE_RELEASE), "WIDEN_X_ASM": gemv_rr.WIDEN_X_ASM,
         "gdn_step": gdn.gdn_step, "PRELOAD": dict(gemv_rr.PRELOAD),
-        "GEMV_TYPE_NAMES": dict(kernel_gemv.GEMV_TYPE_NAMES)}
+        "GEMV_TYPE_NAMES": dict(kernel_gemv.GEMV_TYPE_NAMES), "greedy_token": graph.greedy_token}
 
 
 def _frozen_select(scores, positions, k, c, *a, **kw):
@@ -150,6 +152,7 @@ def apply(variant: str) -> dict:
     pdl.LATE_RELEASE.update(BASE["LATE_RELEASE"])
     gdn.gdn_step = BASE["gdn_step"]
     gemv_rr.WIDEN_X_ASM = BASE["WIDEN_X_ASM"]
+    graph.greedy_token = BASE["greedy_token"]
     gemv_rr.PRELOAD.clear()
     gemv_rr.PRELOAD.update(BASE["PRELOAD"])
     for t in BASE["GEMV_TYPE_NAMES"].values():
@@ -185,6 +188,8 @@ def _apply_one(variant: str) -> dict:
         gemv_rr.launch = _release_for_rows(int(args[0]), int(args[1]))
     elif name == "late" and len(args) == 2 and args[0] in pdl.LATE_RELEASE:
         pdl.LATE_RELEASE[args[0]] = bool(int(args[1]))
+    elif name == "argmax" and args == ["torch"]:
+        graph.greedy_token = torch.Tensor.argmax
     elif name == "norm-ropes" and args == ["split"]:
         return {"norm_ropes": norm_ropes_ref}
     elif name == "x-widen" and args in (["0"], ["1"]):

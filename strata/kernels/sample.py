@@ -22,6 +22,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from strata.kernels import pdl
+from strata.kernels.gemv import tickets
+
 GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: spreads consecutive step offsets over Philox keys
 BLOCK = 4096
 
@@ -83,6 +86,52 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     _gumbel_argmax_kernel[(B, nblk)](x, thr, key, bv, bi, V, x.stride(0), nblk, BLOCK=block)
     drawn = bi.gather(-1, bv.argmax(-1, keepdim=True))[:, 0]
     return torch.where(hot, drawn, greedy)
+
+
+@triton.jit
+def _argmax_kernel(x_ptr, part_ptr, cnt_ptr, out_ptr, V, NBLK: tl.constexpr, NBP: tl.constexpr,
+                   BLOCK: tl.constexpr, GDC: tl.constexpr = False):
+    """Program b: the largest key of x[b * BLOCK ...] into part[b]; the last program to draw a ticket reduces the
+    NBLK partial keys and stores the index. A key orders by value, then by lower index: the fp32 bits mapped to
+    an int32 order (-0.0 as +0.0, every NaN above +inf: torch's argmax) in the high word, 2^32 - 1 - index in the
+    low word; so the result does not depend on which program finishes last, and is torch's first maximal index."""
+    pdl.enter(GDC)
+    blk = tl.program_id(0)
+    i = blk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < V, other=float("-inf")).to(tl.float32) + 0.0  # -0.0 + 0.0 = +0.0
+    b = x.to(tl.int32, bitcast=True)
+    o = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+    o = tl.where(x != x, 0x7FFFFFFF, o)
+    key = o.to(tl.int64) * 4294967296 + (4294967295 - i.to(tl.int64))
+    tl.store(part_ptr + blk, tl.max(key, axis=0))
+    tl.debug_barrier()  # the partial is written before the ticket is drawn
+    last = tl.where(tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == NBLK - 1, 1, 0)
+    j = tl.arange(0, NBP)
+    keys = tl.load(part_ptr + j, mask=j < NBLK * last, other=-9223372036854775807 - 1, cache_modifier=".cg")
+    best = tl.max(keys, axis=0)
+    tl.store(out_ptr, 4294967295 - (best & 4294967295), mask=last == 1)
+    tl.atomic_add(cnt_ptr, -NBLK * last, sem="relaxed", scope="gpu")  # back to 0 for the next launch
+
+
+ARGMAX_BLOCK = 4096
+
+
+def argmax(x: torch.Tensor, block: int = ARGMAX_BLOCK) -> torch.Tensor:
+    """`x.argmax()` (a 0-d int64 tensor: the first maximal element of the flattened x, NaN above everything) in
+    one launch: per-block partial keys and a ticket (`gemv.tickets`), with no atomics on the result, so a
+    graph replay gives the eager call's index. x contiguous float; the decode step's greedy choice."""
+    if not x.is_contiguous() or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.numel() == 0:
+        raise ValueError(f"argmax: expected a non-empty contiguous float tensor, got {x.dtype} {tuple(x.shape)}")
+    cnt = tickets(x.device)
+    if cnt is None:
+        return x.argmax()
+    V = x.numel()
+    nblk = triton.cdiv(V, block)
+    part = torch.empty(nblk, dtype=torch.int64, device=x.device)
+    out = torch.empty((), dtype=torch.int64, device=x.device)
+    _argmax_kernel[(nblk,)](x, part, cnt, out, V, NBLK=nblk, NBP=triton.next_power_of_2(nblk), BLOCK=block,
+                            **pdl.launch(x.device))
+    return out
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,18 @@ class DeviceDraw:
     seed: int = 0
 
 
+
+def greedy_token(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax()` (0-d int64), the last node of a greedy step: one Triton launch on a CUDA device
+    (`strata.kernels.sample.argmax`, the same index), torch's elsewhere. Torch's is a memset and a reduction
+    kernel, 11 us from the head's end in a profiled replay on an H200
+    (bench/results/2026-12-04-h200-synthetic-decode-d60dd42.json, `replay_kernels.timeline`)."""
+    if logits.is_cuda:
+        from strata.kernels.sample import argmax
+
+        return argmax(logits)
+    return logits.argmax()
+
 class DecodeStep:
     """A model's single-token decode step bound to one fixed-capacity sequence state."""
 
@@ -129,7 +141,7 @@ class DecodeStep:
         logits = m.logits(m.finish(carry))[0]
         if kind == "sampled":
             return logits, self.sampler(logits)
-        return logits, logits.argmax()
+        return logits, greedy_token(logits)
 
     def _compute(self, kind: str = "logits") -> tuple[torch.Tensor, ...]:
         return self._rest(self._front(), kind)
