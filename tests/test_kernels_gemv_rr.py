@@ -240,7 +240,7 @@ def test_preloaded_steps_change_no_bit(kind: str, k: int, rr_calls, monkeypatch)
 
 @pytest.mark.parametrize("kind", ["Q4_K_R", "Q6_K_R"])
 def test_preloaded_super_block_steps_change_no_bit(kind: str, rr_calls, monkeypatch) -> None:
-    """The super-block path (`_super_block_rows`) with 2 or 4 of its 5 K-loop steps loaded before the PDL wait:
+    """The super-block path (`_super_block_rows`) with 2 or all 5 of its K-loop steps loaded before the PDL wait:
     the same sums in the same order as one step ahead, plain and as the routed experts' gate/up GLU."""
     rng = np.random.default_rng(zlib_seed(kind) + 12)
     k = 5 * 256  # an odd count: one super-block per step, five steps, no K split
@@ -251,7 +251,7 @@ def test_preloaded_super_block_steps_change_no_bit(kind: str, rr_calls, monkeypa
     ids = torch.tensor([1, 0, 1])
     assert _rr.launch_shape(kind, 5, 3)[1::2] == (1, 1)  # one super-block per step, no K split
     outs = []
-    for pre in (1, 2, 4):
+    for pre in (1, 2, 5):
         monkeypatch.setitem(_rr.PRELOAD, kind, pre)
         assert _rr.preload_steps(kind, 5) == pre
         outs.append((G.gemv(x, w, kind, k), G.gemv_experts_glu(x, gs, us, ids, kind, k)))
@@ -259,5 +259,5 @@ def test_preloaded_super_block_steps_change_no_bit(kind: str, rr_calls, monkeypa
     for plain, glu in outs[1:]:
         assert torch.equal(plain, outs[0][0]) and torch.equal(glu, outs[0][1])
     assert rr_calls == [kind] * 6
-    monkeypatch.setitem(_rr.PRELOAD, kind, 6)
-    assert _rr.preload_steps(kind, 5) == _rr.MAX_PRELOAD[kind] == 4
+    monkeypatch.setitem(_rr.PRELOAD, kind, 8)
+    assert _rr.preload_steps(kind, 5) == 5 and _rr.preload_steps(kind, 8) == _rr.MAX_PRELOAD[kind] == 6

@@ -223,37 +223,8 @@ def _q5_1_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, B
     s = tl.arange(0, SBC)[None, :, None, None]
     blk = tl.arange(0, 4)[None, None, :, None]
     k = tl.arange(0, 4)[None, None, None, :]
-    NIT: tl.constexpr = NCH // SBC
-    tl.static_assert(1 <= PRE and PRE <= 6 and PRE <= NIT, "preloaded steps: 1 .. min(6, loop steps)")
-    c0 = _q5_1_r_load(wp, s, blk, k, D_STRIDE)
-    c1 = _q5_1_r_load(wp, SBC + s, blk, k, D_STRIDE) if PRE > 1 else c0
-    c2 = _q5_1_r_load(wp, 2 * SBC + s, blk, k, D_STRIDE) if PRE > 2 else c0
-    c3 = _q5_1_r_load(wp, 3 * SBC + s, blk, k, D_STRIDE) if PRE > 3 else c0
-    c4 = _q5_1_r_load(wp, 4 * SBC + s, blk, k, D_STRIDE) if PRE > 4 else c0
-    c5 = _q5_1_r_load(wp, 5 * SBC + s, blk, k, D_STRIDE) if PRE > 5 else c0
-    pdl.wait(GDC)
-    if REL:
-        pdl.started(GDC)
-    acc = tl.zeros([BR, SBC, 4, 4], tl.float32)
-    if PRE < NIT:  # the next step's words go out before the preloaded steps' arithmetic
-        nxt = _q5_1_r_load(wp, PRE * SBC + s, blk, k, D_STRIDE)
-    acc = _q5_1_r_fma(acc, c0, xp, 0, s, blk, k, base, ASM, XA)
-    if PRE > 1:
-        acc = _q5_1_r_fma(acc, c1, xp, SBC, s, blk, k, base, ASM, XA)
-    if PRE > 2:
-        acc = _q5_1_r_fma(acc, c2, xp, 2 * SBC, s, blk, k, base, ASM, XA)
-    if PRE > 3:
-        acc = _q5_1_r_fma(acc, c3, xp, 3 * SBC, s, blk, k, base, ASM, XA)
-    if PRE > 4:
-        acc = _q5_1_r_fma(acc, c4, xp, 4 * SBC, s, blk, k, base, ASM, XA)
-    if PRE > 5:
-        acc = _q5_1_r_fma(acc, c5, xp, 5 * SBC, s, blk, k, base, ASM, XA)
-    if PRE < NIT:
-        for it in tl.range(PRE, NIT):
-            cur = nxt
-            nxt = _q5_1_r_load(wp, tl.minimum(it + 1, NIT - 1) * SBC + s, blk, k, D_STRIDE)
-            acc = _q5_1_r_fma(acc, cur, xp, it * SBC, s, blk, k, base, ASM, XA)
-    return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+    return _k_loop(wp, xp, s, blk, k, base, D_STRIDE, NCH // SBC, SBC, BR, _q5_1_r_load, _q5_1_r_fma, ASM, XA, GDC,
+                   REL, PRE)
 
 
 @triton.jit
@@ -295,18 +266,24 @@ def _q6_k_r_fma(acc, raw, xb, c, base, ASM: tl.constexpr, XA: tl.constexpr):
 
 
 @triton.jit
-def _sb_load(wp, sb, c, k, Q6: tl.constexpr):
-    return _q6_k_r_load(wp, sb, c, k) if Q6 else _q4_k_r_load(wp, sb, c, k)
+def _q4_k_r_step_load(wp, sb, c, k, D_STRIDE):
+    return _q4_k_r_load(wp, sb, c, k)
 
 
 @triton.jit
-def _sb_fma(acc, raw, xp, sb0, s, c, k, base, ASM: tl.constexpr, XA: tl.constexpr, Q6: tl.constexpr):
+def _q6_k_r_step_load(wp, sb, c, k, D_STRIDE):
+    return _q6_k_r_load(wp, sb, c, k)
+
+
+@triton.jit
+def _q4_k_r_step_fma(acc, raw, xp, sb0, s, c, k, base, ASM: tl.constexpr, XA: tl.constexpr):
     """acc += one step's super-blocks (sb0 + s) times x."""
-    xb = xp + (sb0 + s) * 256 + c * 64 + k
-    if Q6:
-        return _q6_k_r_fma(acc, raw, xb, c, base, ASM, XA)
-    else:
-        return _q4_k_r_fma(acc, raw, xb, c, base, ASM, XA)
+    return _q4_k_r_fma(acc, raw, xp + (sb0 + s) * 256 + c * 64 + k, c, base, ASM, XA)
+
+
+@triton.jit
+def _q6_k_r_step_fma(acc, raw, xp, sb0, s, c, k, base, ASM: tl.constexpr, XA: tl.constexpr):
+    return _q6_k_r_fma(acc, raw, xp + (sb0 + s) * 256 + c * 64 + k, c, base, ASM, XA)
 
 
 @triton.jit
@@ -314,47 +291,67 @@ def _super_block_rows(rp, xp, base, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl
                       GDC: tl.constexpr, Q6: tl.constexpr, REL: tl.constexpr = False, XA: tl.constexpr = False,
                       PRE: tl.constexpr = 1):
     """[BR] fp32: the Q4_K_R rows (Q6_K_R with Q6) at byte pointers rp (16-byte aligned) times x at xp ([BR, 1, 1,
-    1] pointers, one x), NCH super-blocks, SBC per loop step, the next step's words loaded before this one's
-    arithmetic. The first PRE steps' words (up to 4) are in flight before `pdl.wait(GDC)`; with PRE > 1 the
-    steps' sums are added in the same order, so the result is the same."""
+    1] pointers, one x), NCH super-blocks, SBC per loop step (`_k_loop`)."""
     wp = rp.to(tl.pointer_type(tl.int32))[:, None, None, None]
     s = tl.arange(0, SBC)[None, :, None, None]
     c = tl.arange(0, 4)[None, None, :, None]
     k = tl.arange(0, 4)[None, None, None, :]
-    NIT: tl.constexpr = NCH // SBC
-    tl.static_assert(1 <= PRE and PRE <= 4 and PRE <= NIT, "preloaded steps: 1 .. min(4, loop steps)")
+    if Q6:
+        return _k_loop(wp, xp, s, c, k, base, 0, NCH // SBC, SBC, BR, _q6_k_r_step_load, _q6_k_r_step_fma, ASM, XA,
+                       GDC, REL, PRE)
+    else:
+        return _k_loop(wp, xp, s, c, k, base, 0, NCH // SBC, SBC, BR, _q4_k_r_step_load, _q4_k_r_step_fma, ASM, XA,
+                       GDC, REL, PRE)
+
+
+@triton.jit
+def _k_loop(wp, xp, s, a, k, base, D_STRIDE, NIT: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr,
+            LOAD: tl.constexpr, FMA: tl.constexpr, ASM: tl.constexpr, XA: tl.constexpr, GDC: tl.constexpr,
+            REL: tl.constexpr, PRE: tl.constexpr):
+    """[BR] fp32: a [BR, SBC, 4, 4] tile's K loop of NIT steps, LOAD(wp, step's groups, a, k, D_STRIDE) giving a
+    step's words and FMA(acc, words, xp, first group, s, a, k, base, ASM, XA) adding their products, the next
+    step's words loaded before this one's arithmetic. The first PRE steps' words (up to 6) are in flight before
+    `pdl.wait(GDC)` (`PRELOAD`); the steps' sums are added in the same order whatever PRE is, so the result is
+    the same."""
+    tl.static_assert(1 <= PRE and PRE <= 6 and PRE <= NIT, "preloaded steps: 1 .. min(6, loop steps)")
     if PRE == 1:
-        nxt = _sb_load(wp, s, c, k, Q6)
+        nxt = LOAD(wp, s, a, k, D_STRIDE)
         pdl.wait(GDC)
         if REL:
             pdl.started(GDC)
         acc = tl.zeros([BR, SBC, 4, 4], tl.float32)
         for it in tl.range(0, NIT):
             cur = nxt
-            nxt = _sb_load(wp, tl.minimum(it + 1, NIT - 1) * SBC + s, c, k, Q6)
-            acc = _sb_fma(acc, cur, xp, it * SBC, s, c, k, base, ASM, XA, Q6)
+            nxt = LOAD(wp, tl.minimum(it + 1, NIT - 1) * SBC + s, a, k, D_STRIDE)
+            acc = FMA(acc, cur, xp, it * SBC, s, a, k, base, ASM, XA)
     else:
-        c0 = _sb_load(wp, s, c, k, Q6)
-        c1 = _sb_load(wp, SBC + s, c, k, Q6)
-        c2 = _sb_load(wp, 2 * SBC + s, c, k, Q6) if PRE > 2 else c0
-        c3 = _sb_load(wp, 3 * SBC + s, c, k, Q6) if PRE > 3 else c0
+        c0 = LOAD(wp, s, a, k, D_STRIDE)
+        c1 = LOAD(wp, SBC + s, a, k, D_STRIDE)
+        c2 = LOAD(wp, 2 * SBC + s, a, k, D_STRIDE) if PRE > 2 else c0
+        c3 = LOAD(wp, 3 * SBC + s, a, k, D_STRIDE) if PRE > 3 else c0
+        c4 = LOAD(wp, 4 * SBC + s, a, k, D_STRIDE) if PRE > 4 else c0
+        c5 = LOAD(wp, 5 * SBC + s, a, k, D_STRIDE) if PRE > 5 else c0
         pdl.wait(GDC)
         if REL:
             pdl.started(GDC)
         acc = tl.zeros([BR, SBC, 4, 4], tl.float32)
         if PRE < NIT:  # the next step's words go out before the preloaded steps' arithmetic
-            nxt = _sb_load(wp, PRE * SBC + s, c, k, Q6)
-        acc = _sb_fma(acc, c0, xp, 0, s, c, k, base, ASM, XA, Q6)
-        acc = _sb_fma(acc, c1, xp, SBC, s, c, k, base, ASM, XA, Q6)
+            nxt = LOAD(wp, PRE * SBC + s, a, k, D_STRIDE)
+        acc = FMA(acc, c0, xp, 0, s, a, k, base, ASM, XA)
+        acc = FMA(acc, c1, xp, SBC, s, a, k, base, ASM, XA)
         if PRE > 2:
-            acc = _sb_fma(acc, c2, xp, 2 * SBC, s, c, k, base, ASM, XA, Q6)
+            acc = FMA(acc, c2, xp, 2 * SBC, s, a, k, base, ASM, XA)
         if PRE > 3:
-            acc = _sb_fma(acc, c3, xp, 3 * SBC, s, c, k, base, ASM, XA, Q6)
+            acc = FMA(acc, c3, xp, 3 * SBC, s, a, k, base, ASM, XA)
+        if PRE > 4:
+            acc = FMA(acc, c4, xp, 4 * SBC, s, a, k, base, ASM, XA)
+        if PRE > 5:
+            acc = FMA(acc, c5, xp, 5 * SBC, s, a, k, base, ASM, XA)
         if PRE < NIT:
             for it in tl.range(PRE, NIT):
                 cur = nxt
-                nxt = _sb_load(wp, tl.minimum(it + 1, NIT - 1) * SBC + s, c, k, Q6)
-                acc = _sb_fma(acc, cur, xp, it * SBC, s, c, k, base, ASM, XA, Q6)
+                nxt = LOAD(wp, tl.minimum(it + 1, NIT - 1) * SBC + s, a, k, D_STRIDE)
+                acc = FMA(acc, cur, xp, it * SBC, s, a, k, base, ASM, XA)
     return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
 
 
@@ -517,8 +514,8 @@ def preload_steps(kind: str, steps: int) -> int:
     return max(1, min(PRELOAD.get(kind, 1), steps, MAX_PRELOAD.get(kind, 1)))
 
 
-MAX_PRELOAD = {"Q5_1_R": 6, "Q4_K_R": 4, "Q6_K_R": 4}
-"""The most loop steps each kernel path can load before its wait (Q8_0_R: one)."""
+MAX_PRELOAD = {"Q5_1_R": 6, "Q4_K_R": 6, "Q6_K_R": 6}
+"""The most loop steps a launch of each type can load before its wait (`_k_loop`; Q8_0_R has its own loop: one)."""
 
 
 SPLIT_MIN_PROGRAMS = 2048
