@@ -238,12 +238,12 @@ def test_preloaded_steps_change_no_bit(kind: str, k: int, rr_calls, monkeypatch)
     assert rr_calls == [kind] * 6
 
 
-@pytest.mark.parametrize("kind", ["Q4_K_R", "Q6_K_R"])
-def test_preloaded_super_block_steps_change_no_bit(kind: str, rr_calls, monkeypatch) -> None:
-    """The super-block path (`_super_block_rows`) with 2 or all 5 of its K-loop steps loaded before the PDL wait:
-    the same sums in the same order as one step ahead, plain and as the routed experts' gate/up GLU."""
+@pytest.mark.parametrize("kind", ["Q4_K_R", "Q6_K_R", "Q8_0_R"])
+def test_preloaded_k_loop_steps_change_no_bit(kind: str, rr_calls, monkeypatch) -> None:
+    """The K loop (`_k_loop`) with 2 or all 5 of its steps loaded before the PDL wait: the same sums in the same
+    order as one step ahead, plain and as a GLU by expert ids (the routed experts' gate/up)."""
     rng = np.random.default_rng(zlib_seed(kind) + 12)
-    k = 5 * 256  # an odd count: one super-block per step, five steps, no K split
+    k = 5 * 256  # an odd count: one super-block (group of 8 blocks) per step, five steps, no K split
     w, ref = ggml_rows(kind, 9, k, rng)
     gs = torch.stack([w, ggml_rows(kind, 9, k, rng)[0]])
     us = torch.stack([ggml_rows(kind, 9, k, rng)[0], ggml_rows(kind, 9, k, rng)[0]])
@@ -260,4 +260,4 @@ def test_preloaded_super_block_steps_change_no_bit(kind: str, rr_calls, monkeypa
         assert torch.equal(plain, outs[0][0]) and torch.equal(glu, outs[0][1])
     assert rr_calls == [kind] * 6
     monkeypatch.setitem(_rr.PRELOAD, kind, 8)
-    assert _rr.preload_steps(kind, 5) == 5 and _rr.preload_steps(kind, 8) == _rr.MAX_PRELOAD[kind] == 6
+    assert _rr.preload_steps(kind, 5) == 5 and _rr.preload_steps(kind, 8) == _rr.MAX_PRELOAD == 6

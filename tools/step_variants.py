@@ -17,7 +17,7 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   release:after-loop         launches by expert ids let the next kernel in only after their K loop
                              (`gemv_rr.RELEASE["ids"]`)
   gdn:BV                     the GDN step with BV value columns per program (`gdn.gdn_step`'s block_v)
-  preload:KIND:N             launches of KIND (Q5_1_R, Q4_K_R, Q6_K_R) load N K-loop steps before their PDL wait
+  preload:KIND:N             row-register launches of KIND load N K-loop steps before their PDL wait
                              (`gemv_rr.PRELOAD`; the routed GLU, by unsettled ids, loads them right after it)
   gemv-type:NAME:R,W,S       the generic GEMV's small one-token launches of type NAME with R rows and W warps per
                              program, K split S (`gemv.GemvType.small`, `small_split`; R = 0: no small shape)

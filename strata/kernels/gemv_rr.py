@@ -166,25 +166,21 @@ def _q8_0_r_fma(acc, raw, xp, sb, s, blk, k, base, ASM: tl.constexpr, XA: tl.con
 
 
 @triton.jit
+def _q8_0_r_step_load(wp, g, blk, k, D_STRIDE):
+    return _q8_0_r_load(wp, wp.to(tl.pointer_type(tl.float16)), g, blk, k, D_STRIDE)
+
+
+@triton.jit
 def _q8_0_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr,
-                 ASM: tl.constexpr, GDC: tl.constexpr, REL: tl.constexpr = False, XA: tl.constexpr = False):
+                 ASM: tl.constexpr, GDC: tl.constexpr, REL: tl.constexpr = False, XA: tl.constexpr = False,
+                 PRE: tl.constexpr = 1):
     """`_super_block_rows` for Q8_0_R rows: NCH groups of 256 weights."""
     wp = rp.to(tl.pointer_type(tl.int32))[:, None, None, None]
-    hp = rp.to(tl.pointer_type(tl.float16))[:, None, None, None]
     s = tl.arange(0, SBC)[None, :, None, None]
     blk = tl.arange(0, 8)[None, None, :, None]
     k = tl.arange(0, 4)[None, None, None, :]
-    NIT: tl.constexpr = NCH // SBC
-    nxt = _q8_0_r_load(wp, hp, s, blk, k, D_STRIDE)
-    pdl.wait(GDC)
-    if REL:
-        pdl.started(GDC)
-    acc = tl.zeros([BR, SBC, 8, 4], tl.float32)
-    for it in tl.range(0, NIT):
-        cur = nxt
-        nxt = _q8_0_r_load(wp, hp, tl.minimum(it + 1, NIT - 1) * SBC + s, blk, k, D_STRIDE)
-        acc = _q8_0_r_fma(acc, cur, xp, it * SBC, s, blk, k, base, ASM, XA)
-    return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+    return _k_loop(wp, xp, s, blk, k, base, D_STRIDE, NCH // SBC, SBC, BR, _q8_0_r_step_load, _q8_0_r_fma, ASM, XA,
+                   GDC, REL, PRE, 8)
 
 
 @triton.jit
@@ -307,8 +303,8 @@ def _super_block_rows(rp, xp, base, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl
 @triton.jit
 def _k_loop(wp, xp, s, a, k, base, D_STRIDE, NIT: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr,
             LOAD: tl.constexpr, FMA: tl.constexpr, ASM: tl.constexpr, XA: tl.constexpr, GDC: tl.constexpr,
-            REL: tl.constexpr, PRE: tl.constexpr):
-    """[BR] fp32: a [BR, SBC, 4, 4] tile's K loop of NIT steps, LOAD(wp, step's groups, a, k, D_STRIDE) giving a
+            REL: tl.constexpr, PRE: tl.constexpr, NA: tl.constexpr = 4):
+    """[BR] fp32: a [BR, SBC, NA, 4] tile's K loop of NIT steps, LOAD(wp, step's groups, a, k, D_STRIDE) giving a
     step's words and FMA(acc, words, xp, first group, s, a, k, base, ASM, XA) adding their products, the next
     step's words loaded before this one's arithmetic. The first PRE steps' words (up to 6) are in flight before
     `pdl.wait(GDC)` (`PRELOAD`); the steps' sums are added in the same order whatever PRE is, so the result is
@@ -319,7 +315,7 @@ def _k_loop(wp, xp, s, a, k, base, D_STRIDE, NIT: tl.constexpr, SBC: tl.constexp
         pdl.wait(GDC)
         if REL:
             pdl.started(GDC)
-        acc = tl.zeros([BR, SBC, 4, 4], tl.float32)
+        acc = tl.zeros([BR, SBC, NA, 4], tl.float32)
         for it in tl.range(0, NIT):
             cur = nxt
             nxt = LOAD(wp, tl.minimum(it + 1, NIT - 1) * SBC + s, a, k, D_STRIDE)
@@ -334,7 +330,7 @@ def _k_loop(wp, xp, s, a, k, base, D_STRIDE, NIT: tl.constexpr, SBC: tl.constexp
         pdl.wait(GDC)
         if REL:
             pdl.started(GDC)
-        acc = tl.zeros([BR, SBC, 4, 4], tl.float32)
+        acc = tl.zeros([BR, SBC, NA, 4], tl.float32)
         if PRE < NIT:  # the next step's words go out before the preloaded steps' arithmetic
             nxt = LOAD(wp, PRE * SBC + s, a, k, D_STRIDE)
         acc = FMA(acc, c0, xp, 0, s, a, k, base, ASM, XA)
@@ -376,8 +372,7 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
     row's NCH chunks (of CHUNK_ELEMS weights in CHUNK_BYTES bytes, `CHUNK`). Rows past N are clamped to N - 1 and
     not stored. Byte strides; every row starts 16-byte aligned (the launcher checks). X_ROW_STRIDE is 0: x is
     addressed per tile row so its loads take the weight words' thread layout (one row per thread, so no load is
-    repeated). With GDC (PDL) the first chunk's words (the first PRE chunks' for Q5_1_R, `PRELOAD`) are in
-    flight before the wait, unless the matrix depends on expert ids that the previous kernel may still be
+    repeated). With GDC (PDL) the first PRE chunks' words (`PRELOAD`) are in flight before the wait, unless the matrix depends on expert ids that the previous kernel may still be
     waiting for: IDS_EARLY says they are settled (written before the previous kernel passed its own wait, see
     `gemv.gemv_experts_sum`), so they are read from L2 and the first chunk loaded before the wait as well.
 
@@ -421,7 +416,7 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
                                 GDC and (IDS_EARLY or not HAS_IDS), KIND == "Q6_K_R", REL, XA, PRE)
     elif KIND == "Q8_0_R":
         res = _q8_0_r_rows(rp, xp, tl.full([BR, SBC, 8, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
-                           GDC and (IDS_EARLY or not HAS_IDS), REL, XA)
+                           GDC and (IDS_EARLY or not HAS_IDS), REL, XA, PRE)
     else:
         res = _q5_1_r_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
                            GDC and (IDS_EARLY or not HAS_IDS), PRE, REL, XA)
@@ -511,11 +506,11 @@ sm_90 (`tools/gemv_sass.py --x-widen`), the K loops' instructions per weight fal
 def preload_steps(kind: str, steps: int) -> int:
     """The K-loop steps of a `kind` launch of `steps` steps loaded before its PDL wait (`PRELOAD`, at most
     `MAX_PRELOAD`)."""
-    return max(1, min(PRELOAD.get(kind, 1), steps, MAX_PRELOAD.get(kind, 1)))
+    return max(1, min(PRELOAD.get(kind, 1), steps, MAX_PRELOAD))
 
 
-MAX_PRELOAD = {"Q5_1_R": 6, "Q4_K_R": 6, "Q6_K_R": 6}
-"""The most loop steps a launch of each type can load before its wait (`_k_loop`; Q8_0_R has its own loop: one)."""
+MAX_PRELOAD = 6
+"""The most loop steps a launch can load before its wait (`_k_loop`)."""
 
 
 SPLIT_MIN_PROGRAMS = 2048
