@@ -372,9 +372,10 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
     row's NCH chunks (of CHUNK_ELEMS weights in CHUNK_BYTES bytes, `CHUNK`). Rows past N are clamped to N - 1 and
     not stored. Byte strides; every row starts 16-byte aligned (the launcher checks). X_ROW_STRIDE is 0: x is
     addressed per tile row so its loads take the weight words' thread layout (one row per thread, so no load is
-    repeated). With GDC (PDL) the first PRE chunks' words (`PRELOAD`) are in flight before the wait, unless the matrix depends on expert ids that the previous kernel may still be
-    waiting for: IDS_EARLY says they are settled (written before the previous kernel passed its own wait, see
-    `gemv.gemv_experts_sum`), so they are read from L2 and the first chunk loaded before the wait as well.
+    repeated). With GDC (PDL) the first PRE chunks' words (`PRELOAD`) are in flight before the wait, unless the
+    matrix depends on expert ids that the previous kernel may still be waiting for: IDS_EARLY says they are settled
+    (written before the previous kernel passed its own wait, see `gemv.gemv_experts_sum`), so they are read from L2
+    and the first chunk loaded before the wait as well.
 
     SPLIT > 1: the SPLIT partial sums of a row tile are added in program order by the last program to finish
     (SPLIT_SUM, `gemv._split_sum`: ticket counters, no atomics on the sums). SLOT_SUM = k > 0 (no split): out[0,
@@ -487,9 +488,9 @@ read them before their wait). Measured in the 4K step on an H200 (`tools/step_va
 
 PRELOAD = {"Q5_1_R": 5}
 """Loop steps of a launch's K loop whose words are loaded before its PDL wait, by type (at most `MAX_PRELOAD`; the
-other types load one): more of the weights in flight while the kernel before runs, for more registers. In the 4K step on an
-H200 (bench/results/2026-12-04-h200-step-variants-preload.json): the routed down projections (Q5_1_R, five
-steps) with all five, 4.598-4.609 -> 4.568 ms per replay (their share of a layer's path 9.4 -> 7.2 us). Two or
+other types load one): more of the weights in flight while the kernel before runs, for more registers. In the 4K
+step on an H200 (bench/results/2026-12-04-h200-step-variants-preload.json): the routed down projections (Q5_1_R,
+five steps) with all five, 4.598-4.609 -> 4.568 ms per replay (their share of a layer's path 9.4 -> 7.2 us). Two or
 more for Q8_0_R (the same code, measured on 53861cb), which the projection groups share, made the step slower
 (4.67-4.72 ms: their early programs slow the HC read before them)."""
 
