@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from strata.config import ModelConfig
@@ -116,10 +117,19 @@ def _tensor(name: str, shape: tuple[int, ...], type_name: str, device: torch.dev
     return QuantTensor(name, data.reshape(*shape[:-1], data.shape[-1]), type_id, shape)
 
 
+def _host_zeros(rows: int, cols: int) -> torch.Tensor:
+    """(rows, cols) uint8 zeros in host memory without writing them: numpy's zeros come from calloc, which maps
+    fresh (zero) pages for large sizes, and reading them commits no memory. `torch.empty` may instead hand back
+    recycled memory, whose bytes would decode to NaN scales now and then."""
+    return torch.from_numpy(np.zeros((rows, cols), dtype=np.uint8))
+
+
 def synthetic_weights(cfg: ModelConfig, mix: TypeMix, device: str | torch.device, seed: int = 0,
                       ple_table_device: str | torch.device = "cpu") -> Weights:
-    """Every tensor of the geometry, generated in its storage type. The PLE table (tens of GB) is allocated, not
-    filled, on `ple_table_device`: only the rows a token hashes to are ever read."""
+    """Every tensor of the geometry, generated in its storage type. The PLE table (tens of GB) is zeros on
+    `ple_table_device` (its rows decode to 0: finite, whatever a token hashes to), and in host memory zeros that
+    are not written: pages of an anonymous mapping (`_host_zeros`), so only the rows a token hashes to are ever
+    touched."""
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors: dict[str, StoredTensor] = {}
@@ -131,7 +141,8 @@ def synthetic_weights(cfg: ModelConfig, mix: TypeMix, device: str | torch.device
 
             t = next(t for t in GGML_TYPES.values() if t.name == type_name)
             row_bytes = shape[1] // t.block_size * t.type_size
-            data = torch.empty(shape[0], row_bytes, dtype=torch.uint8, device=ple_table_device)
+            data = (_host_zeros(shape[0], row_bytes) if torch.device(ple_table_device).type == "cpu"
+                    else torch.zeros(shape[0], row_bytes, dtype=torch.uint8, device=ple_table_device))
             tensors[name] = QuantTensor(name, data, t.id, shape)
             continue
         tensors[name] = _tensor(name, shape, type_name, device, gen)
