@@ -63,8 +63,9 @@ def _permute(v, base, SEL: tl.constexpr, B: tl.constexpr, POS: tl.constexpr, ASM
 
 @triton.jit
 def _xf(v, XA: tl.constexpr):
-    """x as fp32. With XA (bf16 x on the GPU, `WIDEN_X_ASM`) each pair of the loaded words widens in one shift
-    and one mask; `.to(tl.float32)` took a byte permute and a shift for the element in the high half."""
+    """x as fp32. With XA (bf16 x on the GPU, `WIDEN_X_ASM`) each loaded register of two bf16 values widens in one
+    shift (the low one) and one mask (the high one); `.to(tl.float32)` takes a byte permute and a shift for the
+    high one."""
     if XA and v.dtype == tl.bfloat16:
         return tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000; }", "=r,=r,r", [v],
                                          dtype=tl.float32, is_pure=True, pack=2)
