@@ -10,7 +10,7 @@ row-register GEMVs widen bf16 x by inline PTX (`gemv_rr.WIDEN_X_ASM`), which the
 
 The kernels are compiled in a subprocess without TRITON_INTERPRET: the interpreter tests of the same session set it
 before Triton is first imported, and a kernel module imported under it holds interpreted functions that cannot
-be compiled.
+be compiled. In the test process this module sets it as they do, so that it may run first.
 """
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import triton
+if __name__ != "__main__":  # the test process (the compiling subprocess runs this file without it)
+    os.environ["TRITON_INTERPRET"] = "1"
 
-from strata.kernels import gemv as G
-from strata.kernels import gemv_rr as RR
-from strata.kernels import qsa_store
-from strata.kernels.offline import compile_for
+import pytest  # noqa: E402
+import triton  # noqa: E402
+
+from strata.kernels import gemv_rr as RR  # noqa: E402
+from strata.kernels import qsa_store  # noqa: E402
+from strata.kernels.offline import compile_for, compile_rr  # noqa: E402
 
 WAIT = "griddepcontrol.wait"
 LAUNCH = "griddepcontrol.launch_dependents"
@@ -37,19 +39,9 @@ def _ptx(fn, ptrs: dict[str, str], ints: dict, consts: dict, warps: int) -> str:
 
 
 def _rr_ptx(kind: str, has_ids: bool, ids_early: bool, release: int, x: str = "bf16", widen: bool = False) -> str:
-    elems, chunk_bytes = RR.CHUNK[kind]
     k = 2560 if kind != "Q5_1_R" else 640
-    n_chunks = k // elems
-    br, sbc, warps, _ = RR.launch_shape(kind, n_chunks)
-    rb = n_chunks * chunk_bytes
-    ptrs = dict(x_ptr=f"*{x}", g_ptr="*u8", u_ptr="*u8", ids_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32",
-                cnt_ptr="*i32", sw_ptr="*fp32")
-    ints = dict(N=2560, g_row_stride=rb, u_row_stride=rb, g_slot_stride=rb * 2560, u_slot_stride=rb * 2560,
-                x_slot_stride=0, out_slot_stride=0, BASE=RR._BASE[kind], X_ROW_STRIDE=0, D_STRIDE=1)
-    consts = dict(KIND=kind, CHUNK_ELEMS=elems, CHUNK_BYTES=chunk_bytes, NCH=n_chunks, SBC=sbc, BR=br, GLU=False,
-                  HAS_IDS=has_ids, ASM=True, SPLIT_SUM=G._split_sum, SPLIT=1, SLOT_SUM=0, IDS_EARLY=ids_early,
-                  RELEASE=release, PRE=RR.preload_steps(kind, n_chunks // sbc), XW=widen, GDC=True)
-    return _ptx(RR._rr_kernel, ptrs, ints, consts, warps)
+    return compile_rr(kind, 2560, k, x=x, has_ids=has_ids, ids_early=ids_early, release=release, widen=widen,
+                      gdc=True)[0].asm["ptx"]
 
 
 def _qsa_store_ptx(late: bool) -> str:

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from strata.kernels import gemv as G  # noqa: E402
 from strata.kernels import gemv_rr as RR  # noqa: E402
-from strata.kernels.offline import compile_for  # noqa: E402
+from strata.kernels.offline import compile_for, compile_rr  # noqa: E402
 
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
@@ -84,29 +84,6 @@ def compile_kernel(t: G.GemvType, n: int, k: int, bn: int | None = None, nw: int
     weights = tile_rows * dec["CHUNK_X"]
     return ck, dict(type=t.name, n=n, k=k, kernel=kernel, BN=rows, warps=warps, NB=dec["NB"],
                     weights_per_thread=weights / (warps * 32))
-
-
-def compile_rr(kind: str, n: int, k: int, glu: bool = False, x_dtype: str = "bf16", arch: int = 90,
-               shape: tuple[int, int, int] | None = None, x_widen: bool | None = None):
-    """The CompiledKernel of one one-token launch of `gemv_rr._rr_kernel` (in its `launch_shape` or `shape` =
-    (rows, chunks per step, warps), one matrix, bf16 output) and its launch facts, as `compile_kernel`. x_widen:
-    bf16 x widened by inline PTX (`gemv_rr.WIDEN_X_ASM`, its value when None)."""
-    x_widen = RR.WIDEN_X_ASM if x_widen is None else x_widen
-    elems, chunk_bytes = RR.CHUNK[kind]
-    n_chunks = k // elems
-    br, sbc, warps = shape or RR.launch_shape(kind, n_chunks, -(-n // 8))[:3]
-    rb = n_chunks * chunk_bytes
-    ptrs = dict(x_ptr=f"*{x_dtype}", g_ptr="*u8", u_ptr="*u8", ids_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32",
-                cnt_ptr="*i32", sw_ptr="*fp32")
-    ints = dict(N=n, g_row_stride=rb, u_row_stride=rb, g_slot_stride=0, u_slot_stride=0, x_slot_stride=0,
-                out_slot_stride=0, BASE=RR._BASE[kind], X_ROW_STRIDE=0, D_STRIDE=1)
-    consts = dict(KIND=kind, CHUNK_ELEMS=elems, CHUNK_BYTES=chunk_bytes, NCH=n_chunks, SBC=sbc, BR=br, GLU=glu,
-                  HAS_IDS=False, ASM=True, SPLIT_SUM=G._split_sum, SPLIT=1, SLOT_SUM=0, IDS_EARLY=False,
-                  RELEASE=RR.AFTER_LOOP, PRE=RR.preload_steps(kind, n_chunks // sbc), XW=x_widen, GDC=False)
-    ck = compile_for(RR._rr_kernel, ptrs, ints, consts, warps, arch)
-    weights = br * sbc * elems
-    return ck, dict(type=kind, n=n, k=k, kernel="rr glu" if glu else "rr", BN=br, warps=warps, NB=sbc,
-                    x=x_dtype, x_widen=x_widen, weights_per_thread=weights / (warps * 32))
 
 
 _CLASSES = [
@@ -187,7 +164,7 @@ def ptx_loop_count(ptx: str) -> int:
 def analyze(t: G.GemvType, n: int, k: int, bn=None, nw=None, nb=None, kernel="gemv", dump=False,
             x_dtype: str = "bf16") -> dict:
     if kernel.startswith("rr"):
-        ck, facts = compile_rr(t.name, n, k, kernel == "rr glu", x_dtype)
+        ck, facts = compile_rr(t.name, n, k, glu=kernel == "rr glu", x=x_dtype)
     else:
         ck, facts = compile_kernel(t, n, k, bn, nw, nb, kernel, x_dtype)
     ttgir = ck.asm["ttgir"]

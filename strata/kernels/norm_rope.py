@@ -57,8 +57,7 @@ def _norm_rope_row(x_ptr, scale_ptr, cos_ptr, sin_ptr, out_ptr, row, HEADS, sxl,
 @triton.jit
 def _norm_rope_kernel(x_ptr, scale_ptr, cos_ptr, sin_ptr, out_ptr, HEADS, sxl, sxh, scl, ssl, eps,
                       D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False):
-    pdl.started(GDC)
-    pdl.wait(GDC)
+    pdl.enter(GDC)
     _norm_rope_row(x_ptr, scale_ptr, cos_ptr, sin_ptr, out_ptr, tl.program_id(0), HEADS, sxl, sxh, scl, ssl, eps,
                    D, R, BD, DT)
 
@@ -68,8 +67,7 @@ def _norm_rope_pair_kernel(x1_ptr, s1_ptr, o1_ptr, H1, sx1l, sx1h, x2_ptr, s2_pt
                            cos_ptr, sin_ptr, scl, ssl, eps, D1: tl.constexpr, BD1: tl.constexpr, D2: tl.constexpr,
                            BD2: tl.constexpr, R: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False):
     """`_norm_rope_kernel` over two tensors at the same positions: programs below ROWS1 take the first."""
-    pdl.started(GDC)
-    pdl.wait(GDC)
+    pdl.enter(GDC)
     row = tl.program_id(0)
     if row < ROWS1:
         _norm_rope_row(x1_ptr, s1_ptr, cos_ptr, sin_ptr, o1_ptr, row, H1, sx1l, sx1h, scl, ssl, eps, D1, R, BD1, DT)

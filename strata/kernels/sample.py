@@ -116,11 +116,16 @@ def _argmax_kernel(x_ptr, part_ptr, cnt_ptr, out_ptr, V, NBLK: tl.constexpr, NBP
 ARGMAX_BLOCK = 4096
 
 
+def argmax_supported(x: torch.Tensor) -> bool:
+    """The tensors `argmax` takes: non-empty, contiguous, fp32 / bf16 / fp16."""
+    return x.is_contiguous() and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.numel() > 0
+
+
 def argmax(x: torch.Tensor, block: int = ARGMAX_BLOCK) -> torch.Tensor:
     """`x.argmax()` (a 0-d int64 tensor: the first maximal element of the flattened x, NaN above everything) in
     one launch: per-block partial keys and a ticket (`gemv.tickets`), with no atomics on the result, so a
     graph replay gives the eager call's index. x contiguous float; the decode step's greedy choice."""
-    if not x.is_contiguous() or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.numel() == 0:
+    if not argmax_supported(x):
         raise ValueError(f"argmax: expected a non-empty contiguous float tensor, got {x.dtype} {tuple(x.shape)}")
     cnt = tickets(x.device)
     if cnt is None:

@@ -50,17 +50,16 @@ class DeviceDraw:
     seed: int = 0
 
 
-
 def greedy_token(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax()` (0-d int64), the last node of a greedy step: one Triton launch on a CUDA device
     (`strata.kernels.sample.argmax`, the same index), torch's elsewhere. Torch's is a memset and a reduction
     kernel, 11 us from the head's end in a profiled replay on an H200
     (bench/results/2026-12-04-h200-synthetic-decode-d60dd42.json, `replay_kernels.timeline`)."""
-    if (logits.is_cuda and logits.is_contiguous() and logits.numel() > 0
-            and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)):
-        from strata.kernels.sample import argmax
+    if logits.is_cuda:
+        from strata.kernels.sample import argmax, argmax_supported
 
-        return argmax(logits)
+        if argmax_supported(logits):
+            return argmax(logits)
     return logits.argmax()
 
 
