@@ -68,9 +68,15 @@ def test_format_table():
     report = {"gpu": "X", "copy_bandwidth_bytes_per_s": 4e12, "model": "m", "ops": "triton", "type_mix": "t",
               "decode": [{"context": 4096, "ms_per_token": 2.0, "tok_per_s": 500.0, "wall_ms_per_token": 2.1,
                           "bytes_per_token": {"total": 6e9}, "floor_ms": 1.5, "fraction_of_floor": 0.75,
-                          "stages_ms": {"experts": {"gdn": 0.5, "qsa": 0.2}}, "stages_sum_ms": 0.7}]}
+                          "stages_ms": {"experts": {"gdn": 0.5, "qsa": 0.2}}, "stages_sum_ms": 0.7}],
+              "prefill": {"tokens": 512, "seconds": 0.25, "tok_per_s": 2048.0, "runs_s": [0.26, 0.25, 0.24],
+                          "first_pass_s": 3.5, "kernels": {"launches": 900, "kernel_ms": 240.0,
+                                                           "top": [{"kernel": "_experts_gemm_kernel", "count": 96,
+                                                                    "ms": 120.0}]}}}
     text = bench.format_table(report)
     assert "75.0%" in text and "experts" in text
+    assert "2048.0 tok/s (median of 3; first pass, with compilation: 3.50 s)" in text
+    assert "900 kernels" in text and "_experts_gemm_kernel" in text
 
 
 def test_layer_paths_reads_the_critical_path_off_a_timeline():

@@ -29,6 +29,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 import strata.kernels.gemv as _gemv
 import strata.kernels.gemv_blocks as _blocks
+import strata.kernels.experts_gemm as _egemm
 import strata.kernels.gemv_rr as _rr
 import strata.kernels.ops as _kops
 import strata.kernels.pdl as _pdl
@@ -43,7 +44,7 @@ from strata.weights.tensor import DenseTensor, RowConcatTensor
 # A module that imported the kernels before this one did (with the interpreter off) holds compiled-mode functions
 # that cannot run here: rebuild them in interpreter mode.
 if not isinstance(_blocks.decode_q8_0, InterpretedFunction):
-    for _m in (_pdl, _blocks, _rr, _gemv, _kops):
+    for _m in (_pdl, _blocks, _rr, _gemv, _egemm, _kops):
         importlib.reload(_m)
 G = _gemv
 K_OPS = _kops

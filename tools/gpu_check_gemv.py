@@ -4,7 +4,8 @@ For every storage type the kernels cover:
   1. correctness against "dequantize (strata.weights.quants), then x @ W^T in float64", on the GPU:
      `gemv` at K=2560, N=8192 with 1 and 3 tokens; `gemv_experts` with 10 of E experts, the gate/up shape
      (N=640, K=2560, one shared x) and, for 32/64-weight blocks and dense rows, the down shape (N=2560, K=640, one
-     x per slot); for the row-register types also one token of bf16 x, widened both ways (`check_bf16_x`).
+     x per slot); for the row-register types also one token of bf16 x, widened both ways (`check_bf16_x`); the
+     prefill's grouped expert GEMM with fp32 and bf16 x (`check_experts_gemm`).
      Pass: max |y - ref| / sum|w x| <= 1e-5 (fp32 accumulation order only).
   2. bandwidth: each case captured in a CUDA graph as a run of calls over distinct weight copies (or distinct
      expert sets) that together exceed L2 many times over, so every byte comes from HBM; GB/s = weight bytes read
@@ -36,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from strata.kernels import experts_gemm as EG
 from strata.kernels import gemv as G
 from strata.kernels import gemv_rr as RR
 from strata.runtime.bench import copy_bandwidth
@@ -107,6 +109,32 @@ def check_bf16_x(name: str, w: torch.Tensor, wd: torch.Tensor, gen: torch.Genera
             "bf16_widen_differing": float((ys[0] != ys[1]).sum())}
 
 
+def check_experts_gemm(name: str, gen: torch.Generator) -> dict:
+    """The prefill's grouped expert GEMM (`experts_gemm.experts_gemm`) at the gate/up shape: 48 tokens x 4 of 16
+    experts (tiles of several slots, some experts empty or split over tiles), each slot's product against float64,
+    with fp32 x (IEEE fp32 products) and bf16 x (tensor-core bf16 products of the weights rounded to bf16: the
+    reference is the float64 product of those rounded weights)."""
+    n_exp, n_tok, top = 16, 48, 4
+    stack = random_rows(name, (n_exp, I_EXPERT), K_MODEL, gen)
+    ids = torch.stack([torch.randperm(n_exp, generator=gen, device="cuda")[:top] for _ in range(n_tok)]).flatten()
+    order = ids.argsort(stable=True)
+    bm = EG.tile_rows(ids.numel(), n_exp)
+    tiles = EG.expert_tiles(ids[order], n_exp, bm)
+    errs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(n_tok, K_MODEL, generator=gen, device="cuda").to(dtype)
+        y = EG.experts_gemm(x[order // top].contiguous(), stack, tiles, order, name, K_MODEL, bm)
+        err = 0.0
+        for e in range(n_exp):
+            slots = (ids == e).nonzero().flatten()
+            w = dequant(name, stack[e], K_MODEL)
+            if dtype != torch.float32:
+                w = w.to(dtype).double()
+            err = max(err, rel_err(y[slots], x[slots // top].double(), w))
+        errs[f"experts_gemm_{str(dtype).split('.')[-1]}"] = err
+    return errs
+
+
 def check_type(name: str, gen: torch.Generator) -> dict:
     """Correctness of every case of one type; returns {case: max relative error}."""
     errs: dict[str, float] = {}
@@ -118,6 +146,7 @@ def check_type(name: str, gen: torch.Generator) -> dict:
     if name in RR.ROW_REGISTER_TYPES:
         errs.update(check_bf16_x(name, w, wd, gen))
     del wd
+    errs.update(check_experts_gemm(name, gen))
     ids = torch.randperm(N_EXPERTS, generator=gen, device="cuda")[:TOP_K].to(torch.int32)
     stack = random_rows(name, (N_EXPERTS, I_EXPERT), K_MODEL, gen)
     x = torch.randn(1, K_MODEL, generator=gen, device="cuda")

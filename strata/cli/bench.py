@@ -19,11 +19,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--contexts", default="4096,32768,131072",
                    help="comma-separated context lengths for decode (default: 4096,32768,131072)")
     p.add_argument("--tokens", type=int, default=64, help="decode tokens per timed run (default: 64)")
-    p.add_argument("--runs", type=int, default=3, help="timed runs per context; the median is reported")
+    p.add_argument("--runs", type=int, default=3,
+                   help="timed runs per context and of prefill (after an untimed one); the median is reported")
     p.add_argument("--prefill-tokens", type=int, default=512, help="prompt length for prefill (0: skip)")
     p.add_argument("--no-stages", action="store_true", help="skip the per-stage table")
     p.add_argument("--profile", action="store_true",
-                   help="also list the kernels one eager decode step launches (count, device time, largest)")
+                   help="also list the kernels one eager decode step and one prefill launch (count, device time, "
+                        "largest)")
     p.add_argument("--timeline", action="store_true",
                    help="with --profile: also record every kernel of one graph replay in order (name, start and "
                         "end in microseconds from the replay's start) in the report, and print the critical path "
@@ -100,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"ctx {ctx:>7}: {r['ms_per_token']:.3f} ms/token ({r['tok_per_s']:.1f} tok/s), floor "
               f"{r['floor_ms']:.3f} ms, {100 * r['fraction_of_floor']:.1f}% of floor", file=sys.stderr)
     if args.prefill_tokens:
-        report["prefill"] = bench.bench_prefill(model, args.prefill_tokens)
+        report["prefill"] = bench.bench_prefill(model, args.prefill_tokens, runs=args.runs, profile=args.profile)
     print(bench.format_table(report))
     if args.out:
         bench.write_report(report, args.out)

@@ -15,8 +15,10 @@
 * `experts_triton(a, top_i, top_w, gate, up, down, linear)`: the routed experts of a MoE layer in three launches
   (gate/up/SiLU over all L*k selected slots; down over the slots; the weighted sum over each token's slots; for
   one token the last two are one launch, `gemv_experts_sum`) with
-  the expert ids never leaving the device, so a decode step can be captured in a CUDA graph. Other inputs go to the
-  reference (`experts_gather`, the capturable twin, while a graph is being captured).
+  the expert ids never leaving the device, so a decode step can be captured in a CUDA graph. From GEMM_MIN_TOKENS
+  tokens (prefill) the first two are grouped matrix products over tiles of one expert's slots
+  (`experts_gemm`). Other inputs go to the reference (`experts_gather`, the capturable twin, while a graph is
+  being captured).
 
 All return x's dtype, computed in fp32 and rounded where the reference rounds. A stored tensor exposes its raw
 rows as `DenseTensor.tensor` or as a uint8 `data` tensor of shape (*shape[:-1], row_bytes) with `kind` = the ggml type name (QuantTensor).
@@ -30,6 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from strata.kernels.experts_gemm import expert_tiles, experts_gemm, experts_gemm_glu, tile_rows
 from strata.kernels.gemv import (GEMV_TYPE_NAMES, MAX_TOKENS, OUT_DTYPES, dequantize_rows, gemv, gemv_experts,
                                  gemv_experts_glu, gemv_experts_sum, gemv_glu)
 from strata.kernels.moe import slot_sum
@@ -43,10 +46,13 @@ GEMV_MAX_ROWS = 32
 of W); dense weights take it only for what one launch covers (MAX_TOKENS rows)."""
 
 MAX_EXPERT_SLOTS = 8192
-"""Selected (token, expert) slots up to which `experts_triton` runs the grouped GEMV (a 512-token prefill chunk
-at k = 10 is 5120). Each slot reads its expert's whole matrices, but slots are sorted by expert so repeats come
-from L2; the alternative, the reference's host loop over distinct experts, costs a few hundred dependent
+"""Selected (token, expert) slots up to which `experts_triton` runs the kernels (a 512-token prefill chunk at
+k = 10 is 5120); the alternative, the reference's host loop over distinct experts, costs a few hundred dependent
 launches and host syncs per layer."""
+
+GEMM_MIN_TOKENS = 16
+"""Tokens from which `experts_blocks` runs the routed experts as grouped matrix products on the tensor cores
+(`experts_gemm`: each expert's weights decoded once per tile of its slots) instead of one GEMV pass per slot."""
 
 SETTLED_IDS = True
 """One token's routed down projections read the expert ids, and load their weights' first K-loop steps
@@ -162,7 +168,9 @@ def experts_blocks(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
                    ) -> torch.Tensor:
     """Σ_j top_w[:, j] · down_e(silu(gate_e a) ⊙ up_e a), e = top_i[:, j], from raw expert stacks (data, kind):
     gate/up (E, I, ·) over H, down (E, H, ·) over I. Slot s = l*k + j runs expert top_i[l, j] on token l; the
-    three GEMVs cover all slots in one launch each. No device check (see `linear_blocks`)."""
+    three GEMVs cover all slots in one launch each; from GEMM_MIN_TOKENS tokens the slots are sorted by expert
+    and the gate/up and down products run as grouped matrix products (`experts_gemm`). No device check (see
+    `linear_blocks`)."""
     n_tok, k = top_i.shape
     h_dim = a.shape[-1]
     i_dim = gate[0].shape[1]
@@ -171,6 +179,15 @@ def experts_blocks(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
         ids = ids.to(torch.int64)
     ids = ids.contiguous()
     x = _as_x(a, h_dim)
+    if n_tok >= GEMM_MIN_TOKENS and a.dtype in OUT_DTYPES:
+        order = ids.argsort(stable=True)
+        n_exp = gate[0].shape[0]
+        bm = tile_rows(ids.numel(), n_exp)
+        tiles = expert_tiles(ids[order], n_exp, bm)
+        h = experts_gemm_glu(x, gate[0], up[0], tiles, order // k, gate[1], h_dim, bm, a.dtype) if gate[1] == up[1] \
+            else _glu_apart(x, gate, up, tiles, order // k, h_dim, bm, a.dtype)
+        y = experts_gemm(h, down[0], tiles, order, down[1], i_dim, bm)
+        return slot_sum(y, top_w.reshape(n_tok, k), a.dtype)
     order = None
     if n_tok > 1:
         # slots sorted by expert: the programs of one expert's slots run back to back and find its weights in L2
@@ -193,6 +210,17 @@ def experts_blocks(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
         y = torch.empty_like(y).index_copy_(0, order, y)
     return slot_sum(y, top_w.reshape(n_tok, k), a.dtype)
 
+
+
+def _glu_apart(x: torch.Tensor, gate: tuple[torch.Tensor, str], up: tuple[torch.Tensor, str], tiles: torch.Tensor,
+               x_rows: torch.Tensor, h_dim: int, bm: int, dtype: torch.dtype) -> torch.Tensor:
+    """silu(gate) * up of gate and up stacks of different types: each product by `experts_gemm` (sorted slot
+    order), rounded as the model rounds them."""
+    rows = torch.arange(x_rows.shape[0], device=x.device)
+    xs = x.index_select(0, x_rows)
+    g = experts_gemm(xs, gate[0], tiles, rows, gate[1], h_dim, bm).to(dtype)
+    u = experts_gemm(xs, up[0], tiles, rows, up[1], h_dim, bm).to(dtype)
+    return F.silu(g) * u
 
 
 def experts_triton(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: StoredTensor,

@@ -246,6 +246,11 @@ def kernel_profile(step: DecodeStep, top: int = 40) -> dict:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step._compute()
             torch.cuda.synchronize()
+    return _kernel_table(prof, top)
+
+
+def _kernel_table(prof, top: int) -> dict:
+    """The CUDA kernels a torch profiler recorded: count, summed device time, the `top` largest by total."""
     kernels: dict[str, list[float]] = defaultdict(list)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -333,19 +338,37 @@ def layer_paths(timeline: list[list]) -> dict:
     return out
 
 
-def bench_prefill(model: Model, tokens: int, seed: int = 0) -> dict:
-    """Prefill tok/s of one prompt of `tokens` random ids (eager, chunked)."""
+def bench_prefill(model: Model, tokens: int, seed: int = 0, runs: int = 3, profile: bool = False,
+                  top: int = 30) -> dict:
+    """Prefill tok/s of one prompt of `tokens` random ids (eager, in chunks of 512): the median of `runs` timed
+    passes, each into a fresh state, after one untimed pass (Triton compiles a kernel on its first launch, and
+    prefill launches kernels decode does not). With `profile`, the kernels of one more pass (torch profiler)."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.cfg.vocab_size, (tokens,), generator=gen)
-    state = model.new_state(capacity=tokens + 8)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        for s in range(0, tokens, 512):
-            model.forward(ids[s:s + 512], state, last_only=True)
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    return {"tokens": tokens, "seconds": dt, "tok_per_s": tokens / dt}
+
+    def one_pass() -> float:
+        state = model.new_state(capacity=tokens + 8)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for s in range(0, tokens, 512):
+                model.forward(ids[s:s + 512], state, last_only=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    first = one_pass()
+    times = [one_pass() for _ in range(runs)]
+    dt = statistics.median(times)
+    out = {"tokens": tokens, "seconds": dt, "tok_per_s": tokens / dt, "runs_s": [round(t, 4) for t in times],
+           "first_pass_s": round(first, 4)}
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            one_pass()
+        out["kernels"] = _kernel_table(prof, top)
+    return out
 
 
 def write_report(report: dict, path: str | Path) -> None:
@@ -364,7 +387,13 @@ def format_table(report: dict) -> str:
                      f"{r['floor_ms']:>9.3f} {100 * r['fraction_of_floor']:>6.1f}%")
     if "prefill" in report:
         p = report["prefill"]
-        lines.append(f"prefill: {p['tokens']} tokens in {p['seconds']:.2f} s = {p['tok_per_s']:.1f} tok/s")
+        lines.append(f"prefill: {p['tokens']} tokens in {p['seconds']:.2f} s = {p['tok_per_s']:.1f} tok/s "
+                     f"(median of {len(p['runs_s'])}; first pass, with compilation: {p['first_pass_s']:.2f} s)")
+        if "kernels" in p:
+            k = p["kernels"]
+            lines.append(f"prefill launches {k['launches']} kernels, {k['kernel_ms']:.1f} ms of kernel time; "
+                         "largest:")
+            lines.extend(f"  {t['ms']:>8.2f} ms {t['count']:>5}x {t['kernel']}" for t in k["top"][:15])
     first = report["decode"][0] if report["decode"] else {}
     if "kernels" in first:
         k = first["kernels"]
