@@ -11,7 +11,7 @@
 #           the tree and carry that folder)
 # CONTEXTS  decode contexts of the bench (default 4096,131072)
 # VARIANTS  decode-step variants to time after the bench, space-separated (`tools/step_variants.py --help`);
-#           none by default
+#           none by default (the prefill's expert GEMM against the GEMV is always timed)
 set -uo pipefail  # no -e: a failed check is reported and the next one still runs
 commit=${1:?usage: tools/device_check.sh COMMIT [FIXTURES] [CONTEXTS] [VARIANTS]}
 fixtures=${2:+$(realpath -m "$2")}
@@ -37,6 +37,10 @@ echo "== decode bench (synthetic real geometry)"
 python -m strata.cli.main bench --contexts "$contexts" --prefill-tokens 512 --no-stages --profile --timeline \
     --commit "$commit" --out "$out/synthetic-decode-$commit.json" 2>&1 | quiet \
     | grep -E "ms/token|prefill|layer \(|Error"
+echo "(exit ${PIPESTATUS[0]})"
+echo "== prefill: routed experts as grouped GEMMs (base) against one GEMV pass per slot (experts-gemm:0)"
+python tools/step_variants.py --commit "$commit" --tokens 16 --prefill-tokens 512 \
+    --out "$out/prefill-variants-$commit.json" base experts-gemm:0 base 2>&1 | quiet
 echo "(exit ${PIPESTATUS[0]})"
 if [ -n "$variants" ]; then
     echo "== decode-step variants (4K)"

@@ -9,6 +9,9 @@ a launch out of the graph (its outputs frozen from the warm-up) bounds what a fa
 
     python tools/step_variants.py --out variants.json base select:removed select:radix base
 
+With --prefill-tokens N each row also has the prefill tok/s of an N-token prompt (`bench.bench_prefill`) and
+how far the prompt's last logits are from the first row's (max |difference| / max |logit|).
+
 Variants (list `base` more than once to see the run-to-run spread; join several with +):
   base                       the step as the engine runs it
   select:removed             the QSA selection's launch left out of the graph (outputs from the warm-up)
@@ -41,6 +44,8 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
                              single kernel) instead of one (`norm_rope.norm_ropes`)
   x-widen:0|1                the row-register GEMVs widen bf16 x by inline PTX (1) or `.to(tl.float32)` (0)
                              (`gemv_rr.WIDEN_X_ASM`)
+  experts-gemm:N             prefill's routed experts as grouped matrix products from N tokens
+                             (`ops.GEMM_MIN_TOKENS`; 0: never, the one-slot-per-pass GEMV); with --prefill-tokens
   shape:KIND:NCH:LO:HI:BR,SBC,WARPS,SPLIT
                              row-register launches of KIND over NCH chunks with LO <= row tiles < HI in this
                              launch shape (`gemv_rr.launch_shape`)
@@ -76,7 +81,8 @@ BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attent
         "SETTLED_IDS": kernel_ops.SETTLED_IDS, "RELEASE": dict(gemv_rr.RELEASE), "rr_launch": gemv_rr.launch,
         "LATE_RELEASE": dict(pdl.LATE_RELEASE), "WIDEN_X_ASM": gemv_rr.WIDEN_X_ASM,
         "gdn_step": gdn.gdn_step, "PRELOAD": dict(gemv_rr.PRELOAD),
-        "GEMV_TYPE_NAMES": dict(kernel_gemv.GEMV_TYPE_NAMES), "greedy_token": graph.greedy_token}
+        "GEMV_TYPE_NAMES": dict(kernel_gemv.GEMV_TYPE_NAMES), "greedy_token": graph.greedy_token,
+        "GEMM_MIN_TOKENS": kernel_ops.GEMM_MIN_TOKENS}
 
 
 def _frozen_select(scores, positions, k, c, *a, **kw):
@@ -137,6 +143,16 @@ def _release_for_rows(rows: int, mode: int):
     return launch
 
 
+def _prompt_logits(model: Model, tokens: int) -> torch.Tensor:
+    """The last position's logits of a fixed random prompt (float32, on the CPU)."""
+    ids = torch.randint(0, model.cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1))
+    state = model.new_state(capacity=tokens + 8)
+    with torch.inference_mode():
+        for s in range(0, tokens, 512):
+            out = model.forward(ids[s:s + 512], state, last_only=True)
+    return out[-1].float().cpu()
+
+
 def apply(variant: str) -> dict:
     """Reset every patch, then apply those of `variant`'s parts (see the module docstring); the op table
     entries they swap."""
@@ -153,6 +169,7 @@ def apply(variant: str) -> dict:
     gdn.gdn_step = BASE["gdn_step"]
     gemv_rr.WIDEN_X_ASM = BASE["WIDEN_X_ASM"]
     graph.greedy_token = BASE["greedy_token"]
+    kernel_ops.GEMM_MIN_TOKENS = BASE["GEMM_MIN_TOKENS"]
     gemv_rr.PRELOAD.clear()
     gemv_rr.PRELOAD.update(BASE["PRELOAD"])
     for t in BASE["GEMV_TYPE_NAMES"].values():
@@ -192,6 +209,8 @@ def _apply_one(variant: str) -> dict:
         graph.greedy_token = torch.Tensor.argmax
     elif name == "norm-ropes" and args == ["split"]:
         return {"norm_ropes": norm_ropes_ref}
+    elif name == "experts-gemm" and len(args) == 1:
+        kernel_ops.GEMM_MIN_TOKENS = int(args[0]) or 1 << 30
     elif name == "x-widen" and args in (["0"], ["1"]):
         gemv_rr.WIDEN_X_ASM = args[0] == "1"
     elif name == "shared" and args == ["removed"]:
@@ -230,6 +249,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=None, help="commit id to record (default: git rev-parse HEAD)")
+    ap.add_argument("--prefill-tokens", type=int, default=0, help="also time a prefill of N tokens per variant")
     args = ap.parse_args()
     dev = torch.device("cuda")
     pdl.set_enabled(True)
@@ -238,7 +258,9 @@ def main() -> int:
     floor_ms = bench.token_bytes(w, args.context)["total"] / bw * 1e3
     report = {"commit": args.commit or bench.git_commit(), "gpu": torch.cuda.get_device_name(dev),
               "context": args.context, "floor_ms": floor_ms, "rows": []}
-    print(f"{'variant':<34}{'replay ms':>10}{'ms/token':>10}{'GDN us':>8}{'QSA us':>8}", flush=True)
+    print(f"{'variant':<34}{'replay ms':>10}{'ms/token':>10}{'GDN us':>8}{'QSA us':>8}"
+          + (f"{'prefill t/s':>12}{'logits diff':>12}" if args.prefill_tokens else ""), flush=True)
+    first_logits = None
     for variant in args.variants:
         swaps = apply(variant)
         model = Model(w, torch.bfloat16, dev, dataclasses.replace(fast_ops(streams=True), **swaps))
@@ -248,10 +270,17 @@ def main() -> int:
         paths = r["replay_kernels"]["layers"]
         row = {"variant": variant, "replay_ms": r["graph_replay_ms"], "ms_per_token": r["ms_per_token"],
                "ms_per_token_runs": r["ms_per_token_runs"], "layer_paths": paths, "seconds": time.perf_counter() - t0}
+        if args.prefill_tokens:
+            row["prefill"] = bench.bench_prefill(model, args.prefill_tokens, runs=2)
+            logits = _prompt_logits(model, args.prefill_tokens)
+            first_logits = logits if first_logits is None else first_logits
+            row["prefill"]["logits_diff"] = float((logits - first_logits).abs().max() / first_logits.abs().max())
         report["rows"].append(row)
         span = {k: paths.get(k, {}).get("span_us", float("nan")) for k in ("gdn", "qsa")}
+        pre = (f"{row['prefill']['tok_per_s']:>12.1f}{row['prefill']['logits_diff']:>12.2e}"
+               if args.prefill_tokens else "")
         print(f"{variant:<34}{row['replay_ms']:>10.3f}{row['ms_per_token']:>10.3f}{span['gdn']:>8.1f}"
-              f"{span['qsa']:>8.1f}", flush=True)
+              f"{span['qsa']:>8.1f}{pre}", flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=1))
     apply("base")
