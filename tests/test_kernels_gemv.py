@@ -315,6 +315,31 @@ def test_decode_rows_of_stored_rows_equals_rows(monkeypatch) -> None:
         table.stored_rows(torch.tensor([40]))
 
 
+@pytest.mark.parametrize("name", ["Q8_0_R", "Q4_K", "Q6_K"])
+def test_linear_triton_of_many_rows_dequantizes_in_one_launch(name: str, monkeypatch) -> None:
+    """Past GEMV_MAX_ROWS rows (prefill) a quantized W is decoded by one `dequantize_rows` launch into the
+    reference's dense weights, then one matmul: the output equals `linear_ref`'s bit for bit under the
+    interpreter, in fp32 and bf16, with a bias; a dense W goes to the reference without a decode."""
+    rng = np.random.default_rng(zlib_seed(name) + 16)
+    k = k_for(name)
+    w = QuantTensor("w", random_blocks(name, 12, k, rng), G.gemv_type(name).type_id, (12, k))
+    bias = DenseTensor("b", torch.randn(12, generator=torch.Generator().manual_seed(16)))
+    dense = DenseTensor("d", torch.randn(12, k, generator=torch.Generator().manual_seed(17)))
+    monkeypatch.setattr(K_OPS, "_on_gpu", lambda x: True)
+    launches: list[str] = []
+    real = K_OPS.dequantize_rows
+    monkeypatch.setattr(K_OPS, "dequantize_rows", lambda *a, **kw: (launches.append(a[1]), real(*a, **kw))[1])
+    x = torch.randn(K_OPS.GEMV_MAX_ROWS + 8, k, generator=torch.Generator().manual_seed(18))
+    for dtype in (torch.float32, torch.bfloat16):
+        launches.clear()
+        got = K_OPS.linear_triton(x.to(dtype), w, bias)
+        assert launches == [name]
+        assert got.dtype == dtype and torch.equal(got, linear_ref(x.to(dtype), w, bias)), dtype
+        launches.clear()
+        assert torch.equal(K_OPS.linear_triton(x.to(dtype), dense), linear_ref(x.to(dtype), dense))
+        assert launches == []
+
+
 @pytest.mark.parametrize("name", ["Q6_K_R", "Q4_K", "IQ4_NL"])
 def test_embed_triton_equals_rows(name: str, monkeypatch) -> None:
     """The Triton embedding (gather the stored rows, decode them in one launch) gives what the table's `rows`

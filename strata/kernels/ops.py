@@ -4,9 +4,9 @@
 
 * `linear_triton(x, w, bias)`: y = x W^T (+ b) straight from W's stored rows (ggml blocks of a QuantTensor, or
   the F32/F16/BF16 tensor of a DenseTensor) when x is on a CUDA device, W's bytes already live there and W's
-  type has a kernel. Anything else goes to `linear_ref`, as do inputs of more rows than one launch takes for
-  dense weights and than `GEMV_MAX_ROWS` for quantized ones (prefill): there one cuBLAS matmul (after
-  dequantizing once on the device) beats reading the weights once per 8 rows.
+  type has a kernel. For more rows than `GEMV_MAX_ROWS` (prefill) a quantized W is dequantized on the device in
+  one launch and multiplied by one cuBLAS matmul, which beats reading the weights once per 8 rows. Anything else
+  goes to `linear_ref`, as do dense weights past what one launch takes.
 * `linears_triton(x, ws, biases, linear)`: weights stored back to back (`placement.fuse_rows`) as one GEMV.
 * `mlp_triton(x, gate, up, down, linear)`: gate/up/SiLU as one GEMV launch, then down.
 * `decode_rows_triton(stored, table, dtype)`: table rows the host gathered as stored, decoded on the device.
@@ -91,12 +91,28 @@ def linear_blocks(x: torch.Tensor, data: torch.Tensor, kind: str, bias: StoredTe
 
 
 def linear_triton(x: torch.Tensor, w: StoredTensor, bias: StoredTensor | None = None) -> torch.Tensor:
-    """`Ops.linear`: the GEMV from W's stored rows when it applies (see the module docstring), else
-    `linear_ref`."""
+    """`Ops.linear`: the GEMV from W's stored rows when it applies (see the module docstring); for more rows of
+    x, W dequantized on the device in one launch (`dense_on_device`) and one matmul; else `linear_ref`."""
     raw = _gemv_ok(x, w, GEMV_MAX_ROWS)
     if raw is not None:
         return linear_blocks(x, raw[0], raw[1], bias)
+    dense = dense_on_device(x, w)
+    if dense is not None:
+        return F.linear(x, dense, bias.dense(x.dtype, x.device) if bias is not None else None)
     return linear_ref(x, w, bias)
+
+
+def dense_on_device(x: torch.Tensor, w: StoredTensor) -> torch.Tensor | None:
+    """W (2-D, quantized, its bytes on x's CUDA device, of a type the GEMV decodes) as a dense (N, K) tensor of x's
+    dtype, decoded by `dequantize_rows` in one launch (the reference's decoders are a few dozen PyTorch kernels
+    per matrix, and more for strata's word-ordered types); None for anything else. The values are the
+    reference's: each weight decoded in fp32 and rounded once to x's dtype."""
+    if not (_on_gpu(x) and len(w.shape) == 2 and x.dtype in OUT_DTYPES) or isinstance(w, DenseTensor):
+        return None
+    raw = stored_rows(w)
+    if raw is None or raw[0].device != x.device or raw[0].dtype != torch.uint8:
+        return None
+    return dequantize_rows(raw[0], raw[1], w.shape[1], x.dtype, block_n=8)
 
 
 def _on_gpu(x: torch.Tensor) -> bool:
