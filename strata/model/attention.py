@@ -15,16 +15,16 @@ def attend_ref(q: torch.Tensor, state: QSAState, idx: torch.Tensor, ok: torch.Te
     """Softmax attention of q (L, Hq, hd) over the cached K/V rows `idx` (L, W) where `ok`, times
     sigmoid(gate (L, Hq, hd)) when given (QSA's output gate, in the model dtype); (L, Hq*hd)."""
     L, hq, hd = q.shape
-    group = hq // cfg.num_key_value_heads
+    hkv = cfg.num_key_value_heads
     out = []
     for s in range(0, L, QUERY_BLOCK):
         sl = slice(s, s + QUERY_BLOCK)
         rows = idx[sl].clamp(0, state.capacity - 1)
-        keys = state.k[rows].repeat_interleave(group, dim=2)  # (l, W, hq, hd)
-        vals = state.v[rows].repeat_interleave(group, dim=2)
-        scores = torch.einsum("lhd,lwhd->lhw", q[sl], keys) * hd ** -0.5
-        scores = scores.masked_fill(~ok[sl, None, :], float("-inf"))
+        keys, vals = state.k[rows], state.v[rows]  # (l, W, hkv, hd): each KV head serves hq / hkv query heads
+        qg = q[sl].unflatten(1, (hkv, hq // hkv))  # query head h = kv head h // group, member h % group
+        scores = torch.einsum("lkgd,lwkd->lkgw", qg, keys) * hd ** -0.5
+        scores = scores.masked_fill(~ok[sl, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out.append(torch.einsum("lhw,lwhd->lhd", probs, vals).reshape(-1, hq * hd))
+        out.append(torch.einsum("lkgw,lwkd->lkgd", probs, vals).reshape(-1, hq * hd))
     o = torch.cat(out)
     return o if gate is None else o * torch.sigmoid(gate).reshape(L, hq * hd)
