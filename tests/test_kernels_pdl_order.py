@@ -28,7 +28,7 @@ import triton  # noqa: E402
 
 from strata.kernels import gemv_rr as RR  # noqa: E402
 from strata.kernels import qsa_store  # noqa: E402
-from strata.kernels.offline import compile_for, compile_rr  # noqa: E402
+from strata.kernels.offline import compile_experts_gemm, compile_for, compile_rr  # noqa: E402
 
 WAIT = "griddepcontrol.wait"
 LAUNCH = "griddepcontrol.launch_dependents"
@@ -67,6 +67,10 @@ def _cases() -> dict:
         cases[f"qsa_store-late-{late}"] = lambda lt=late: _qsa_store_ptx(lt)
     for x, widen in (("bf16", True), ("bf16", False), ("fp32", True)):
         cases[f"widen-Q8_0_R-{x}-{widen}"] = lambda x=x, w=widen: _rr_ptx("Q8_0_R", False, False, RR.AT_WAIT, x, w)
+    for kind, glu, x in (("Q4_K_R", True, "bf16"), ("Q5_1_R", False, "bf16"), ("Q4_K_R", True, "fp32")):
+        n, k = (640, 2560) if glu else (2560, 640)
+        cases[f"experts-gemm-{kind}-{x}"] = lambda kd=kind, g=glu, x=x, n=n, k=k: compile_experts_gemm(
+            kd, n, k, glu=g, x=x).asm["ptx"]
     return cases
 
 
@@ -134,6 +138,21 @@ def test_rr_widens_bf16_x_by_inline_ptx_only_when_asked(ptx, x, widen):
         assert code.count(mask) >= 16  # every x load of a K step (8 loads of 4 elements: 16 words)
     else:
         assert mask not in code
+
+
+@pytest.mark.parametrize("case", ["Q4_K_R-bf16", "Q5_1_R-bf16", "Q4_K_R-fp32"])
+def test_experts_gemm_multiplies_16_bit_tiles_on_the_tensor_cores(ptx, case):
+    """The prefill's grouped expert GEMM (`experts_gemm`, which the interpreter runs as fp32 products) compiles
+    its bf16 products to tensor-core MMAs of bf16 operands with fp32 accumulators, and its fp32 ones (F32_DOT) to
+    none; it lets the next kernel in before its PDL wait."""
+    code = ptx[f"experts-gemm-{case}"]
+    mma = [line for line in code.splitlines() if "mma." in line]
+    if case.endswith("bf16"):
+        assert mma and all(".f32.bf16.bf16.f32" in line for line in mma)
+    else:
+        assert not mma
+    wait, launch = _order(code)
+    assert launch < wait
 
 
 if __name__ == "__main__":  # the fixture's subprocess: compile every case into the folder given

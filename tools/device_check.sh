@@ -40,7 +40,8 @@ python -m strata.cli.main bench --contexts "$contexts" --prefill-tokens 512 --no
 echo "(exit ${PIPESTATUS[0]})"
 echo "== prefill: routed experts as grouped GEMMs (base) against one GEMV pass per slot (experts-gemm:0)"
 python tools/step_variants.py --commit "$commit" --tokens 16 --prefill-tokens 512 \
-    --out "$out/prefill-variants-$commit.json" base experts-gemm:0 base 2>&1 | quiet
+    --out "$out/prefill-variants-$commit.json" base experts-gemm:0 experts-gemm-shape:32,8 \
+    experts-gemm-shape:64,8 experts-gemm-shape:16,4 base 2>&1 | quiet
 echo "(exit ${PIPESTATUS[0]})"
 if [ -n "$variants" ]; then
     echo "== decode-step variants (4K)"

@@ -46,6 +46,8 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
                              (`gemv_rr.WIDEN_X_ASM`)
   experts-gemm:N             prefill's routed experts as grouped matrix products from N tokens
                              (`ops.GEMM_MIN_TOKENS`; 0: never, the one-slot-per-pass GEMV); with --prefill-tokens
+  experts-gemm-shape:BN,W    the grouped expert GEMM with BN weight rows per program over W warps
+                             (`experts_gemm.BLOCK_N`, `NUM_WARPS`)
   shape:KIND:NCH:LO:HI:BR,SBC,WARPS,SPLIT
                              row-register launches of KIND over NCH chunks with LO <= row tiles < HI in this
                              launch shape (`gemv_rr.launch_shape`)
@@ -65,7 +67,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from strata.kernels import attention, gdn, gemv_rr, hyper, moe, pdl  # noqa: E402
+from strata.kernels import attention, experts_gemm, gdn, gemv_rr, hyper, moe, pdl  # noqa: E402
 from strata.kernels import gemv as kernel_gemv  # noqa: E402
 from strata.kernels import ops as kernel_ops  # noqa: E402
 from strata.model.model import Model  # noqa: E402
@@ -82,7 +84,8 @@ BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attent
         "LATE_RELEASE": dict(pdl.LATE_RELEASE), "WIDEN_X_ASM": gemv_rr.WIDEN_X_ASM,
         "gdn_step": gdn.gdn_step, "PRELOAD": dict(gemv_rr.PRELOAD),
         "GEMV_TYPE_NAMES": dict(kernel_gemv.GEMV_TYPE_NAMES), "greedy_token": graph.greedy_token,
-        "GEMM_MIN_TOKENS": kernel_ops.GEMM_MIN_TOKENS}
+        "GEMM_MIN_TOKENS": kernel_ops.GEMM_MIN_TOKENS,
+        "GEMM_SHAPE": (experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS)}
 
 
 def _frozen_select(scores, positions, k, c, *a, **kw):
@@ -170,6 +173,7 @@ def apply(variant: str) -> dict:
     gemv_rr.WIDEN_X_ASM = BASE["WIDEN_X_ASM"]
     graph.greedy_token = BASE["greedy_token"]
     kernel_ops.GEMM_MIN_TOKENS = BASE["GEMM_MIN_TOKENS"]
+    experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS = BASE["GEMM_SHAPE"]
     gemv_rr.PRELOAD.clear()
     gemv_rr.PRELOAD.update(BASE["PRELOAD"])
     for t in BASE["GEMV_TYPE_NAMES"].values():
@@ -211,6 +215,8 @@ def _apply_one(variant: str) -> dict:
         return {"norm_ropes": norm_ropes_ref}
     elif name == "experts-gemm" and len(args) == 1:
         kernel_ops.GEMM_MIN_TOKENS = int(args[0]) or 1 << 30
+    elif name == "experts-gemm-shape" and len(args) == 1:
+        experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS = (int(v) for v in args[0].split(","))
     elif name == "x-widen" and args in (["0"], ["1"]):
         gemv_rr.WIDEN_X_ASM = args[0] == "1"
     elif name == "shared" and args == ["removed"]:

@@ -68,3 +68,27 @@ def compile_rr(kind: str, n: int, k: int, *, glu: bool = False, x: str = "bf16",
     ck = compile_for(gemv_rr._rr_kernel, ptrs, ints, consts, warps, arch)
     return ck, dict(type=kind, n=n, k=k, kernel="rr glu" if glu else "rr", BN=br, warps=warps, NB=sbc, x=x,
                     x_widen=widen, weights_per_thread=br * sbc * elems / (warps * 32))
+
+
+def compile_experts_gemm(kind: str, n: int, k: int, *, glu: bool = False, x: str = "bf16", bm: int = 16,
+                         arch: int = 90) -> triton.compiler.CompiledKernel:
+    """One launch of `experts_gemm._experts_gemm_kernel` (gate/up with `glu`, else down) over expert stacks of n
+    rows of k weights of `kind`, x of type `x` ("bf16", "fp32"), tiles of `bm` slots, with PDL, for
+    sm_`arch`: what a prefill on that GPU compiles."""
+    from strata.kernels import experts_gemm as eg
+    from strata.kernels import gemv
+
+    t = gemv.gemv_type(kind)
+    nb, cx, chunk_w = eg._chunk(t, k)
+    w_type = {None: "*u8", "float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16"}[
+        None if t.dense_dtype is None else str(t.dense_dtype).split(".")[-1]]
+    row = k if t.dense_dtype is not None else gemv.row_bytes(kind, k)
+    out = ("*" + x) if glu else "*fp32"
+    ptrs = dict(x_ptr=f"*{x}", w_ptr=w_type, u_ptr=w_type, tab_ptr="*fp32" if t.table == "IQ4" else
+                "*i32" if t.table else w_type, tiles_ptr="*i32", x_rows_ptr="*i64", out_rows_ptr="*i64", out_ptr=out)
+    ints = dict(N=n, n_chunks=k // cx, n_tiles=832, x_stride=k, w_row_stride=row, w_expert_stride=row * n,
+                out_stride=n)
+    consts = dict(LOAD=t.load or gemv.gb.load_pointer, UNPACK=t.unpack or t.decode, CHUNK_W=chunk_w, CX=cx, NB=nb,
+                  BM=bm, BN=eg.BLOCK_N, GLU=glu, X_ROWS=glu, OUT_ROWS=not glu, ACT="silu", F32_DOT=x == "fp32",
+                  GDC=True)
+    return compile_for(eg._experts_gemm_kernel, ptrs, ints, consts, eg.NUM_WARPS, arch)
