@@ -169,3 +169,31 @@ def test_dense_expert_stacks_and_bad_tiles() -> None:
     with pytest.raises(ValueError, match="tiles"):
         EG.experts_gemm(x, w, tiles.long(), torch.arange(16), "BF16", 64, 16)
     assert DenseTensor  # the op table reads typed stacks through `stored_rows` (see test_kernels_gemv)
+
+
+@pytest.mark.parametrize("file", ["tiny-Q4_K_M.gguf", "tiny-IQ4_XS.gguf"])
+def test_prefill_through_the_kernel_ops_matches_the_reference_on_fixture_files(file, fixtures_dir, monkeypatch):
+    """A whole prefill of the fixture prompt (past GEMM_MIN_TOKENS tokens) of llama.cpp-quantized files with the
+    GEMV op table as on a GPU (the kernels under the interpreter): the quantized projections decoded in one
+    launch each, the routed experts by the grouped GEMM; logits within fp32 accumulation order of the
+    reference's."""
+    from strata.model.model import Model
+    from strata.weights.loader import load_weights
+    from tests.test_gguf_util import prompt_ids
+
+    w = load_weights(fixtures_dir / file)
+    ids = prompt_ids(fixtures_dir)
+    assert ids.numel() >= K_OPS.GEMM_MIN_TOKENS
+    ref_model = Model(w)
+    ref = ref_model.forward(ids, ref_model.new_state()).float()
+    monkeypatch.setattr(K_OPS, "_on_gpu", lambda x: True)
+    calls = {"gemm": 0, "dequant": 0}
+    real_gemm, real_dq = K_OPS.experts_gemm, K_OPS.dequantize_rows
+    monkeypatch.setattr(K_OPS, "experts_gemm", lambda *a, **kw: (calls.__setitem__("gemm", calls["gemm"] + 1),
+                                                                 real_gemm(*a, **kw))[1])
+    monkeypatch.setattr(K_OPS, "dequantize_rows", lambda *a, **kw: (calls.__setitem__("dequant", calls["dequant"] + 1),
+                                                                    real_dq(*a, **kw))[1])
+    fast_model = Model(w, ops=K_OPS.triton_ops())
+    got = fast_model.forward(ids, fast_model.new_state()).float()
+    assert calls["gemm"] >= w.cfg.num_hidden_layers and calls["dequant"] > 0
+    assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()

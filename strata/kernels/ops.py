@@ -243,7 +243,7 @@ def experts_triton(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, ga
                    up: StoredTensor, down: StoredTensor, linear) -> torch.Tensor:
     """`Ops.experts`: the grouped GEMV when a is on a CUDA device, the three stacks' raw bytes live there, their
     types have kernels and there are at most MAX_EXPERT_SLOTS slots; else the reference."""
-    if a.is_cuda and top_i.dim() == 2 and 0 < top_i.numel() <= MAX_EXPERT_SLOTS:
+    if _on_gpu(a) and top_i.dim() == 2 and 0 < top_i.numel() <= MAX_EXPERT_SLOTS:
         raws = [stored_rows(t) if len(t.shape) == 3 else None for t in (gate, up, down)]
         if all(r is not None and r[0].device == a.device for r in raws):
             return experts_blocks(a, top_i, top_w, raws[0], raws[1], raws[2])
