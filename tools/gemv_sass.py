@@ -19,6 +19,7 @@ If nvdisasm is missing it falls back to counting PTX instructions in the loop (l
     python tools/gemv_sass.py Q4_K_R Q8_0_R Q5_1_R --rr --x fp32    # the row-register kernel (kernels/gemv_rr.py)
     python tools/gemv_sass.py Q4_K_R --rr --out counts.json         # also write the reports as JSON
     python tools/gemv_sass.py Q4_K_R --rr --x-widen 1               # bf16 x widened by inline PTX
+    python tools/gemv_sass.py Q4_K_R --experts-gemm --kernel glu --n 640 --k 2560   # the prefill's expert GEMM
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from strata.kernels import experts_gemm as EG  # noqa: E402
 from strata.kernels import gemv as G  # noqa: E402
 from strata.kernels import gemv_rr as RR  # noqa: E402
-from strata.kernels.offline import compile_for, compile_rr  # noqa: E402
+from strata.kernels.offline import compile_experts_gemm, compile_for, compile_rr  # noqa: E402
 
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
@@ -165,6 +167,13 @@ def analyze(t: G.GemvType, n: int, k: int, bn=None, nw=None, nb=None, kernel="ge
             x_dtype: str = "bf16") -> dict:
     if kernel.startswith("rr"):
         ck, facts = compile_rr(t.name, n, k, glu=kernel == "rr glu", x=x_dtype)
+    elif kernel.startswith("gemm"):
+        EG.BLOCK_N, EG.NUM_WARPS = bn or EG.BLOCK_N, nw or EG.NUM_WARPS
+        glu = kernel == "gemm glu"
+        ck = compile_experts_gemm(t.name, n, k, glu=glu, x=x_dtype)
+        cx = EG._chunk(t, k)[1]
+        facts = dict(type=t.name, n=n, k=k, kernel=kernel, BN=EG.BLOCK_N, warps=EG.NUM_WARPS, NB=cx // t.block_elems,
+                     x=x_dtype, weights_per_thread=(2 if glu else 1) * EG.BLOCK_N * cx / (32 * EG.NUM_WARPS))
     else:
         ck, facts = compile_kernel(t, n, k, bn, nw, nb, kernel, x_dtype)
     ttgir = ck.asm["ttgir"]
@@ -212,6 +221,9 @@ def main() -> int:
     ap.add_argument("--dump", action="store_true", help="print the loop body's SASS")
     ap.add_argument("--no-prefetch", action="store_true", help="the decoder whole (no load/unpack pipelining)")
     ap.add_argument("--rr", action="store_true", help="the row-register kernel (kernels/gemv_rr.py) of a *_R type")
+    ap.add_argument("--experts-gemm", action="store_true",
+                    help="the prefill's grouped expert GEMM (kernels/experts_gemm.py; --kernel glu: gate/up); "
+                         "--bn/--warps set its BLOCK_N/NUM_WARPS; instructions per weight decoded per thread")
     ap.add_argument("--x", default="bf16", choices=("bf16", "fp32"), help="x's element type (default bf16)")
     ap.add_argument("--x-widen", default=None, choices=("0", "1"),
                     help="the row-register kernel with bf16 x widened by inline PTX (1) or not (0); default: "
@@ -226,6 +238,8 @@ def main() -> int:
         if args.no_prefetch:
             t = dataclasses.replace(t, load=None, unpack=None)
         kernel = ("rr glu" if args.kernel == "glu" else "rr") if args.rr else args.kernel
+        if args.experts_gemm:
+            kernel = "gemm glu" if args.kernel == "glu" else "gemm"
         f = analyze(t, args.n, args.k, args.bn, args.warps, args.nb, kernel, args.dump, args.x)
         facts.append(f)
         print(report(f))

@@ -36,6 +36,11 @@ BLOCK_N = 32
 NUM_WARPS = 4
 
 
+def decoder(t: GemvType) -> tuple:
+    """(LOAD, UNPACK) of type t's weight tiles: the GEMV's decoder, whole."""
+    return t.load or gb.load_pointer, t.unpack or t.decode
+
+
 def tile_rows(slots: int, experts: int) -> int:
     """Slots per tile (BM, the MMA's M): 16 (the smallest `tl.dot` takes) unless the experts average more."""
     avg = slots / max(1, min(experts, slots))
@@ -79,10 +84,10 @@ def _dot_chunk(acc, xg, rp, tab_ptr, LOAD: tl.constexpr, UNPACK: tl.constexpr, N
     reference's dense weights), xg [BM, CX] x at the decoder's offsets (`_x_offsets`). F32: the product in
     IEEE fp32 (W rounded to DT first, then held in fp32)."""
     w, xo = UNPACK(LOAD(rp, tab_ptr, BN, NB), tab_ptr, BN, NB)
-    wt = tl.trans(gb.cast(tl.reshape(w, [BN, CX]), DT))
-    if F32:
-        return tl.dot(xg, wt.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(xg, wt, acc)
+    w = tl.reshape(w, [BN, CX])
+    if F32:  # rounded on the bits (`gemv_blocks.cast`: the interpreter truncates a cast to bfloat16)
+        return tl.dot(xg, tl.trans(gb.cast(w, DT).to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(xg, tl.trans(w.to(DT)), acc)  # the GPU's cast rounds to nearest even, as `gemv_blocks.cast`
 
 
 @triton.jit
@@ -152,12 +157,13 @@ def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, u: torch.Tensor | Non
             x_rows: torch.Tensor | None, out_rows: torch.Tensor | None, out: torch.Tensor, k: int, bm: int,
             act: str = "silu") -> None:
     nb, cx, chunk_w = _chunk(t, k)
+    load, unpack = decoder(t)
     n = w.shape[1]
     n_tiles = tiles.shape[1]
     _experts_gemm_kernel[(n_tiles, triton.cdiv(n, BLOCK_N))](
         x, w, w if u is None else u, _table(t, w), tiles, out if x_rows is None else x_rows,
         out if out_rows is None else out_rows, out, n, k // cx, n_tiles, x.stride(0), w.stride(1), w.stride(0),
-        out.stride(0), LOAD=t.load or gb.load_pointer, UNPACK=t.unpack or t.decode, CHUNK_W=chunk_w, CX=cx, NB=nb,
+        out.stride(0), LOAD=load, UNPACK=unpack, CHUNK_W=chunk_w, CX=cx, NB=nb,
         BM=bm, BN=BLOCK_N, GLU=u is not None, X_ROWS=x_rows is not None, OUT_ROWS=out_rows is not None, ACT=act,
         F32_DOT=x.dtype == torch.float32 or x.device.type != "cuda", num_warps=NUM_WARPS, **pdl.launch(w.device))
 

@@ -94,13 +94,13 @@ def _ksigns(s7):
 
 @triton.jit
 def _j4(a, b, c, d):
-    """[..., 2, 2] with [..., x, y] = (a, b, c, d)[2x + y]: a new pair of dimensions held inside each thread."""
+    """[..., 2, 2] with [..., x, y] = (a, b, c, d)[x + 2y]: a new pair of dimensions held inside each thread."""
     return tl.join(tl.join(a, b), tl.join(c, d))
 
 
 @triton.jit
 def _j8(c0, c1, c2, c3, c4, c5, c6, c7):
-    """[..., 2, 2, 2] with [..., x, y, z] = c[4z + 2x + y], inside each thread."""
+    """[..., 2, 2, 2] with [..., x, y, z] = c[x + 2y + 4z], inside each thread."""
     return tl.join(_j4(c0, c1, c2, c3), _j4(c4, c5, c6, c7))
 
 

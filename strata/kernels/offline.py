@@ -88,7 +88,8 @@ def compile_experts_gemm(kind: str, n: int, k: int, *, glu: bool = False, x: str
                 "*i32" if t.table else w_type, tiles_ptr="*i32", x_rows_ptr="*i64", out_rows_ptr="*i64", out_ptr=out)
     ints = dict(N=n, n_chunks=k // cx, n_tiles=832, x_stride=k, w_row_stride=row, w_expert_stride=row * n,
                 out_stride=n)
-    consts = dict(LOAD=t.load or gemv.gb.load_pointer, UNPACK=t.unpack or t.decode, CHUNK_W=chunk_w, CX=cx, NB=nb,
+    load, unpack = eg.decoder(t)
+    consts = dict(LOAD=load, UNPACK=unpack, CHUNK_W=chunk_w, CX=cx, NB=nb,
                   BM=bm, BN=eg.BLOCK_N, GLU=glu, X_ROWS=glu, OUT_ROWS=not glu, ACT="silu", F32_DOT=x == "fp32",
                   GDC=True)
     return compile_for(eg._experts_gemm_kernel, ptrs, ints, consts, eg.NUM_WARPS, arch)
