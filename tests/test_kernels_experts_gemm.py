@@ -197,3 +197,27 @@ def test_prefill_through_the_kernel_ops_matches_the_reference_on_fixture_files(f
     got = fast_model.forward(ids, fast_model.new_state()).float()
     assert calls["gemm"] >= w.cfg.num_hidden_layers and calls["dequant"] > 0
     assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+def test_experts_triton_takes_any_number_of_slots_to_the_gemm(monkeypatch) -> None:
+    """MAX_EXPERT_SLOTS bounds the per-slot GEMV only: a call the GEMM takes runs the kernels past it, a smaller
+    one past it goes to the reference."""
+    rng = np.random.default_rng(31)
+    n_exp, h_dim, i_dim, top = 4, 64, 64, 3
+    st = {}
+    for label, rows, k in (("g", i_dim, h_dim), ("u", i_dim, h_dim), ("d", h_dim, i_dim)):
+        st[label] = QuantTensor(label, _stack("Q8_0", n_exp, rows, k, rng)[0], G.gemv_type("Q8_0").type_id,
+                                (n_exp, rows, k))
+    monkeypatch.setattr(K_OPS, "_on_gpu", lambda x: True)
+    monkeypatch.setattr(K_OPS, "MAX_EXPERT_SLOTS", 4)
+    used = []
+    real = K_OPS.experts_blocks
+    monkeypatch.setattr(K_OPS, "experts_blocks", lambda *a, **kw: used.append(a[1].shape[0]) or real(*a, **kw))
+    for n_tok in (K_OPS.GEMM_MIN_TOKENS, 2):
+        top_i = _routing(n_tok, top, n_exp, n_tok)
+        top_w = torch.full((n_tok, top), 1.0 / top)
+        a = torch.randn(n_tok, h_dim, generator=torch.Generator().manual_seed(n_tok))
+        y = K_OPS.experts_triton(a, top_i, top_w, st["g"], st["u"], st["d"], linear_ref)
+        ref = experts_ref(a, top_i, top_w, st["g"], st["u"], st["d"], linear_ref)
+        assert (y - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    assert used == [K_OPS.GEMM_MIN_TOKENS]

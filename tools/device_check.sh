@@ -38,10 +38,10 @@ python -m strata.cli.main bench --contexts "$contexts" --prefill-tokens 512 --no
     --commit "$commit" --out "$out/synthetic-decode-$commit.json" 2>&1 | quiet \
     | grep -E "ms/token|prefill|layer \(|Error"
 echo "(exit ${PIPESTATUS[0]})"
-echo "== prefill: routed experts as grouped GEMMs (base) against one GEMV pass per slot (experts-gemm:0)"
-python tools/step_variants.py --commit "$commit" --tokens 16 --prefill-tokens 512 \
+echo "== prefill (2,048 tokens): expert GEMM (base) against one GEMV pass per slot (experts-gemm:0), shapes, chunks"
+python tools/step_variants.py --commit "$commit" --tokens 16 --prefill-tokens 2048 \
     --out "$out/prefill-variants-$commit.json" base experts-gemm:0 experts-gemm-shape:32,8 \
-    experts-gemm-shape:64,8 experts-gemm-shape:16,4 base 2>&1 | quiet
+    experts-gemm-shape:64,8 experts-gemm-shape:16,4 prefill-chunk:1024 prefill-chunk:2048 base 2>&1 | quiet
 echo "(exit ${PIPESTATUS[0]})"
 if [ -n "$variants" ]; then
     echo "== decode-step variants (4K)"

@@ -48,6 +48,7 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
                              (`ops.GEMM_MIN_TOKENS`; 0: never, the one-slot-per-pass GEMV); with --prefill-tokens
   experts-gemm-shape:BN,W    the grouped expert GEMM with BN weight rows per program over W warps
                              (`experts_gemm.BLOCK_N`, `NUM_WARPS`)
+  prefill-chunk:N            the prefill of --prefill-tokens in chunks of N tokens (512: `Engine.prefill`'s)
   shape:KIND:NCH:LO:HI:BR,SBC,WARPS,SPLIT
                              row-register launches of KIND over NCH chunks with LO <= row tiles < HI in this
                              launch shape (`gemv_rr.launch_shape`)
@@ -86,6 +87,9 @@ BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attent
         "GEMV_TYPE_NAMES": dict(kernel_gemv.GEMV_TYPE_NAMES), "greedy_token": graph.greedy_token,
         "GEMM_MIN_TOKENS": kernel_ops.GEMM_MIN_TOKENS,
         "GEMM_SHAPE": (experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS)}
+
+
+PREFILL = {"chunk": 512}  # the prefill's chunk size for the variant being measured
 
 
 def _frozen_select(scores, positions, k, c, *a, **kw):
@@ -146,13 +150,13 @@ def _release_for_rows(rows: int, mode: int):
     return launch
 
 
-def _prompt_logits(model: Model, tokens: int) -> torch.Tensor:
+def _prompt_logits(model: Model, tokens: int, chunk: int) -> torch.Tensor:
     """The last position's logits of a fixed random prompt (float32, on the CPU)."""
     ids = torch.randint(0, model.cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1))
     state = model.new_state(capacity=tokens + 8)
     with torch.inference_mode():
-        for s in range(0, tokens, 512):
-            out = model.forward(ids[s:s + 512], state, last_only=True)
+        for s in range(0, tokens, chunk):
+            out = model.forward(ids[s:s + chunk], state, last_only=True)
     return out[-1].float().cpu()
 
 
@@ -173,6 +177,7 @@ def apply(variant: str) -> dict:
     gemv_rr.WIDEN_X_ASM = BASE["WIDEN_X_ASM"]
     graph.greedy_token = BASE["greedy_token"]
     kernel_ops.GEMM_MIN_TOKENS = BASE["GEMM_MIN_TOKENS"]
+    PREFILL["chunk"] = 512
     experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS = BASE["GEMM_SHAPE"]
     gemv_rr.PRELOAD.clear()
     gemv_rr.PRELOAD.update(BASE["PRELOAD"])
@@ -215,6 +220,8 @@ def _apply_one(variant: str) -> dict:
         return {"norm_ropes": norm_ropes_ref}
     elif name == "experts-gemm" and len(args) == 1:
         kernel_ops.GEMM_MIN_TOKENS = int(args[0]) or 1 << 30
+    elif name == "prefill-chunk" and len(args) == 1:
+        PREFILL["chunk"] = int(args[0])
     elif name == "experts-gemm-shape" and len(args) == 1:
         experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS = (int(v) for v in args[0].split(","))
     elif name == "x-widen" and args in (["0"], ["1"]):
@@ -277,8 +284,8 @@ def main() -> int:
         row = {"variant": variant, "replay_ms": r["graph_replay_ms"], "ms_per_token": r["ms_per_token"],
                "ms_per_token_runs": r["ms_per_token_runs"], "layer_paths": paths, "seconds": time.perf_counter() - t0}
         if args.prefill_tokens:
-            row["prefill"] = bench.bench_prefill(model, args.prefill_tokens, runs=2)
-            logits = _prompt_logits(model, args.prefill_tokens)
+            row["prefill"] = bench.bench_prefill(model, args.prefill_tokens, runs=2, chunk=PREFILL["chunk"])
+            logits = _prompt_logits(model, args.prefill_tokens, PREFILL["chunk"])
             first_logits = logits if first_logits is None else first_logits
             row["prefill"]["logits_diff"] = float((logits - first_logits).abs().max() / first_logits.abs().max())
         report["rows"].append(row)

@@ -46,9 +46,9 @@ GEMV_MAX_ROWS = 32
 of W); dense weights take it only for what one launch covers (MAX_TOKENS rows)."""
 
 MAX_EXPERT_SLOTS = 8192
-"""Selected (token, expert) slots up to which `experts_triton` runs the kernels (a 512-token prefill chunk at
-k = 10 is 5120); the alternative, the reference's host loop over distinct experts, costs a few hundred dependent
-launches and host syncs per layer."""
+"""Selected (token, expert) slots up to which `experts_triton` runs the GEMV (one program row per slot); the
+grouped GEMM (from GEMM_MIN_TOKENS tokens) takes any number. The alternative, the reference's host loop over
+distinct experts, costs a few hundred dependent launches and host syncs per layer."""
 
 GEMM_MIN_TOKENS = 16
 """Tokens from which `experts_blocks` runs the routed experts as grouped matrix products on the tensor cores
@@ -241,9 +241,11 @@ def _glu_apart(x: torch.Tensor, gate: tuple[torch.Tensor, str], up: tuple[torch.
 
 def experts_triton(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: StoredTensor,
                    up: StoredTensor, down: StoredTensor, linear) -> torch.Tensor:
-    """`Ops.experts`: the grouped GEMV when a is on a CUDA device, the three stacks' raw bytes live there, their
-    types have kernels and there are at most MAX_EXPERT_SLOTS slots; else the reference."""
-    if _on_gpu(a) and top_i.dim() == 2 and 0 < top_i.numel() <= MAX_EXPERT_SLOTS:
+    """`Ops.experts`: the kernels of `experts_blocks` when a is on a CUDA device, the three stacks' raw bytes live
+    there, their types have kernels and the GEMM takes the call or there are at most MAX_EXPERT_SLOTS slots; else
+    the reference."""
+    if (_on_gpu(a) and top_i.dim() == 2 and top_i.numel() > 0
+            and (top_i.shape[0] >= GEMM_MIN_TOKENS or top_i.numel() <= MAX_EXPERT_SLOTS)):
         raws = [stored_rows(t) if len(t.shape) == 3 else None for t in (gate, up, down)]
         if all(r is not None and r[0].device == a.device for r in raws):
             return experts_blocks(a, top_i, top_w, raws[0], raws[1], raws[2])

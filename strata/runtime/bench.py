@@ -339,8 +339,8 @@ def layer_paths(timeline: list[list]) -> dict:
 
 
 def bench_prefill(model: Model, tokens: int, seed: int = 0, runs: int = 3, profile: bool = False,
-                  top: int = 30) -> dict:
-    """Prefill tok/s of one prompt of `tokens` random ids (eager, in chunks of 512): the median of `runs` timed
+                  top: int = 30, chunk: int = 512) -> dict:
+    """Prefill tok/s of one prompt of `tokens` random ids (eager, in chunks of `chunk`): the median of `runs` timed
     passes, each into a fresh state, after one untimed pass (Triton compiles a kernel on its first launch, and
     prefill launches kernels decode does not). With `profile`, the kernels of one more pass (torch profiler)."""
     gen = torch.Generator().manual_seed(seed)
@@ -351,15 +351,16 @@ def bench_prefill(model: Model, tokens: int, seed: int = 0, runs: int = 3, profi
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            for s in range(0, tokens, 512):
-                model.forward(ids[s:s + 512], state, last_only=True)
+            for s in range(0, tokens, chunk):
+                model.forward(ids[s:s + chunk], state, last_only=True)
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
     first = one_pass()
     times = [one_pass() for _ in range(runs)]
     dt = statistics.median(times)
-    out = {"tokens": tokens, "seconds": dt, "tok_per_s": tokens / dt, "runs_s": [round(t, 4) for t in times],
+    out = {"tokens": tokens, "chunk": chunk, "seconds": dt, "tok_per_s": tokens / dt,
+           "runs_s": [round(t, 4) for t in times],
            "first_pass_s": round(first, 4)}
     if profile:
         from torch.profiler import ProfilerActivity
