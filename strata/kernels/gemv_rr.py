@@ -496,13 +496,14 @@ more for Q8_0_R (the same code, measured on 53861cb), which the projection group
 (4.67-4.72 ms: their early programs slow the HC read before them)."""
 
 
-WIDEN_X_ASM = False
+WIDEN_X_ASM = True
 """Whether bf16 x is widened to fp32 by inline PTX on the GPU (`_xf`: one shift or one mask per element, against a
 byte permute and a shift for every second element by `.to(tl.float32)`), the same values either way. Compiled for
 sm_90 (`tools/gemv_sass.py --x-widen`), the K loops' instructions per weight fall Q4_K_R 6.25 -> 5.89 (its GLU 6.41
 -> 5.89), Q8_0_R 5.81 -> 5.03, Q5_1_R 6.38 -> 5.88, Q6_K_R 6.31 -> 5.83 with the same loads
-(bench/results/2026-12-04-cpu-gemv-sass-x-widen.json). Off until measured in the step on an H200
-(`tools/step_variants.py x-widen:1`)."""
+(bench/results/2026-12-04-cpu-gemv-sass-x-widen.json). In the step on an H200 the 4K replay fell 4.369-4.382 ->
+4.310-4.316 ms (bench/results/2026-12-05-h200-step-variants-c3cce2d.json, `x-widen:1`), and the row-register
+GEMVs give the same outputs both ways there (`tools/gpu_check_gemv.py`: bf16_widen_differing 0)."""
 
 
 def preload_steps(kind: str, steps: int) -> int:
