@@ -104,3 +104,19 @@ def test_layer_paths_reads_the_critical_path_off_a_timeline():
                           "replay_kernels": {"layers": paths}}]}
     text = bench.format_table(report)
     assert "gdn layer (2 of 2 alike): 52.0 us" in text and "_select_kernel" in text
+
+
+def test_prefill_chunks_is_a_chunked_prefill(fixtures_dir):
+    """The prefill loop the bench times (and tools/step_variants compares logits by): the last position's logits
+    of one call over the whole prompt, and the state it leaves decodes on alike."""
+    from strata.model.model import Model
+
+    w = load_weights(fixtures_dir / "tiny-f32.gguf")
+    m = Model(w)
+    ids = torch.arange(2, 13)
+    whole, chunked = m.new_state(), m.new_state()
+    ref = m.forward(ids, whole)[-1]
+    got = bench.prefill_chunks(m, ids, chunked, 4)
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    nxt = torch.tensor([5])
+    assert torch.allclose(m.forward(nxt, chunked), m.forward(nxt, whole), rtol=1e-5, atol=1e-4)

@@ -153,11 +153,7 @@ def _release_for_rows(rows: int, mode: int):
 def _prompt_logits(model: Model, tokens: int, chunk: int) -> torch.Tensor:
     """The last position's logits of a fixed random prompt (float32, on the CPU)."""
     ids = torch.randint(0, model.cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1))
-    state = model.new_state(capacity=tokens + 8)
-    with torch.inference_mode():
-        for s in range(0, tokens, chunk):
-            out = model.forward(ids[s:s + chunk], state, last_only=True)
-    return out[-1].float().cpu()
+    return bench.prefill_chunks(model, ids, model.new_state(capacity=tokens + 8), chunk).float().cpu()
 
 
 def apply(variant: str) -> dict:

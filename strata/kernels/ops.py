@@ -195,19 +195,12 @@ def experts_blocks(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
         ids = ids.to(torch.int64)
     ids = ids.contiguous()
     x = _as_x(a, h_dim)
+    # slots sorted by expert: the GEMM's tiles are runs of one expert's slots; the GEMV's programs of one expert
+    # run back to back and find its weights in L2
+    order = ids.argsort(stable=True) if n_tok > 1 else None
     if n_tok >= GEMM_MIN_TOKENS and a.dtype in OUT_DTYPES:
-        order = ids.argsort(stable=True)
-        n_exp = gate[0].shape[0]
-        bm = tile_rows(ids.numel(), n_exp)
-        tiles = expert_tiles(ids[order], n_exp, bm)
-        h = experts_gemm_glu(x, gate[0], up[0], tiles, order // k, gate[1], h_dim, bm, a.dtype) if gate[1] == up[1] \
-            else _glu_apart(x, gate, up, tiles, order // k, h_dim, bm, a.dtype)
-        y = experts_gemm(h, down[0], tiles, order, down[1], i_dim, bm)
-        return slot_sum(y, top_w.reshape(n_tok, k), a.dtype)
-    order = None
-    if n_tok > 1:
-        # slots sorted by expert: the programs of one expert's slots run back to back and find its weights in L2
-        order = ids.argsort(stable=True)
+        return _experts_grouped(x, ids[order], order, top_w.reshape(n_tok, k), gate, up, down, a.dtype)
+    if order is not None:
         ids = ids[order].contiguous()
         x = x[order // k]
     if gate[1] == up[1] and a.dtype in OUT_DTYPES:
@@ -226,6 +219,21 @@ def experts_blocks(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
         y = torch.empty_like(y).index_copy_(0, order, y)
     return slot_sum(y, top_w.reshape(n_tok, k), a.dtype)
 
+
+def _experts_grouped(x: torch.Tensor, ids_sorted: torch.Tensor, order: torch.Tensor, top_w: torch.Tensor,
+                     gate: tuple[torch.Tensor, str], up: tuple[torch.Tensor, str], down: tuple[torch.Tensor, str],
+                     dtype: torch.dtype) -> torch.Tensor:
+    """`experts_blocks` by the grouped GEMM: x (tokens, H), the slots' expert ids sorted and the sorting order."""
+    n_tok, k = top_w.shape
+    n_exp = gate[0].shape[0]
+    bm = tile_rows(ids_sorted.numel(), n_exp)
+    tiles = expert_tiles(ids_sorted, n_exp, bm)
+    if gate[1] == up[1]:
+        h = experts_gemm_glu(x, gate[0], up[0], tiles, order // k, gate[1], x.shape[1], bm, dtype)
+    else:
+        h = _glu_apart(x, gate, up, tiles, order // k, x.shape[1], bm, dtype)
+    y = experts_gemm(h, down[0], tiles, order, down[1], h.shape[1], bm)
+    return slot_sum(y, top_w, dtype)
 
 
 def _glu_apart(x: torch.Tensor, gate: tuple[torch.Tensor, str], up: tuple[torch.Tensor, str], tiles: torch.Tensor,

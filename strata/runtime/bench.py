@@ -338,6 +338,14 @@ def layer_paths(timeline: list[list]) -> dict:
     return out
 
 
+@torch.inference_mode()
+def prefill_chunks(model: Model, ids: torch.Tensor, state, chunk: int) -> torch.Tensor:
+    """ids through the model into `state` in chunks of `chunk` tokens (eager); the last position's logits."""
+    for s in range(0, ids.numel(), chunk):
+        out = model.forward(ids[s:s + chunk], state, last_only=True)
+    return out[-1]
+
+
 def bench_prefill(model: Model, tokens: int, seed: int = 0, runs: int = 3, profile: bool = False,
                   top: int = 30, chunk: int = 512) -> dict:
     """Prefill tok/s of one prompt of `tokens` random ids (eager, in chunks of `chunk`): the median of `runs` timed
@@ -350,9 +358,7 @@ def bench_prefill(model: Model, tokens: int, seed: int = 0, runs: int = 3, profi
         state = model.new_state(capacity=tokens + 8)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            for s in range(0, tokens, chunk):
-                model.forward(ids[s:s + chunk], state, last_only=True)
+        prefill_chunks(model, ids, state, chunk)
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
