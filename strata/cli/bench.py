@@ -100,7 +100,9 @@ def run(args: argparse.Namespace) -> int:
         r["fraction_of_floor"] = r["floor_ms"] / r["ms_per_token"]
         report["decode"].append(r)
         print(f"ctx {ctx:>7}: {r['ms_per_token']:.3f} ms/token ({r['tok_per_s']:.1f} tok/s), floor "
-              f"{r['floor_ms']:.3f} ms, {100 * r['fraction_of_floor']:.1f}% of floor", file=sys.stderr)
+              f"{r['floor_ms']:.3f} ms, {100 * r['fraction_of_floor']:.1f}% of floor; replay "
+              f"{r['graph_replay_ms']:.3f} ms; host " + ", ".join(
+                  f"{k} {v:.3f}" for k, v in r["host_ms_per_token"]["phases"].items()), file=sys.stderr)
     if args.prefill_tokens:
         report["prefill"] = bench.bench_prefill(model, args.prefill_tokens, runs=args.runs, profile=args.profile)
     print(bench.format_table(report))

@@ -192,15 +192,17 @@ def bench_decode(model: Model, context: int, tokens: int = 64, runs: int = 3, se
         per_token_ms.append(a.elapsed_time(b) / tokens)
     # the host's share of a token: staging (hash, table rows, copies) with the replay calls, waiting for the token
     host = {"stage_and_replay_calls": 0.0, "token_wait": 0.0}
+    phases: dict[str, float] = {}
     with torch.inference_mode():
         for _ in range(tokens):
             t0 = time.perf_counter()
-            out = step._run(tok, "logits")[1]
+            out = step._run(tok, "logits", phases)[1]
             t1 = time.perf_counter()
             tok = int(out)
             t2 = time.perf_counter()
             host["stage_and_replay_calls"] += (t1 - t0) * 1e3 / tokens
             host["token_wait"] += (t2 - t1) * 1e3 / tokens
+    host["phases"] = {k: v * 1e3 / tokens for k, v in phases.items()}  # ms per token: the parts of the first
     # device-only: replays back to back, no host work between them
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()

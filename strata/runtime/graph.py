@@ -16,6 +16,7 @@ the staging nor that launch is on the token's critical path.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,16 @@ def capturable(ops: Ops) -> Ops:
     if ops.experts is experts_ref:
         return Ops(**{**ops.__dict__, "experts": experts_gather})
     return ops
+
+
+def _lap(phases: dict[str, float] | None, name: str, since: float) -> float:
+    """The time now (0.0 without `phases`), the seconds since `since` added to phases[name] (unless name is "")."""
+    if phases is None:
+        return 0.0
+    now = time.perf_counter()
+    if name:
+        phases[name] = phases.get(name, 0.0) + now - since
+    return now
 
 
 @dataclass(frozen=True)
@@ -170,7 +181,9 @@ class DecodeStep:
         self._host_ints[1] = self.model.stage_token(token, self.state, self._host_ple)
         self._copy()
 
-    def _run(self, token: int, kind: str) -> tuple[torch.Tensor, ...]:
+    def _run(self, token: int, kind: str, phases: dict[str, float] | None = None) -> tuple[torch.Tensor, ...]:
+        """The step's outputs for `token`; `phases` (benchmarks) accumulates the host seconds of each part of a
+        replayed step."""
         if not self.capture or kind not in self.graphs:
             self._stage(token)
             if not self.capture:
@@ -181,17 +194,25 @@ class DecodeStep:
         # the graphs copy their inputs out of the page-locked buffer themselves (their first node), so a token's
         # host work is its hash and rows, written in place, and the replay calls
         graphs = self.graphs[kind]
+        t = _lap(phases, "", 0.0)
         self._ready()
+        t = _lap(phases, "ready", t)
         self._host_ints[0] = token
         if len(graphs) == 1:
             self._host_ints[1] = self.model.stage_token(token, self.state, self._host_ple)
+            t = _lap(phases, "stage", t)
             graphs[0].replay()
+            t = _lap(phases, "replay", t)
         else:  # split: the front replayed first; the PLE rows staged while it runs
             self._host_ints[1] = self.state.length
             graphs[0].replay()
+            t = _lap(phases, "replay_front", t)
             self.model.stage_token(token, self.state, self._host_ple)
+            t = _lap(phases, "stage", t)
             graphs[1].replay()
+            t = _lap(phases, "replay", t)
         self._host_read()
+        _lap(phases, "event", t)
         return self.outs[kind]
 
     def _host_read(self) -> None:
