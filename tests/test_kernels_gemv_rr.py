@@ -263,25 +263,3 @@ def test_preloaded_k_loop_steps_change_no_bit(kind: str, rr_calls, monkeypatch) 
     assert rr_calls == [kind] * 6
     monkeypatch.setitem(_rr.PRELOAD, kind, 8)
     assert _rr.preload_steps(kind, 5) == 5 and _rr.preload_steps(kind, 8) == _rr.MAX_PRELOAD == 6
-
-
-@pytest.mark.parametrize("kind", ["Q4_K_R", "Q6_K_R", "Q8_0_R", "Q5_1_R"])
-def test_pipelined_k_loop_changes_no_bit(kind: str, rr_calls, monkeypatch) -> None:
-    """The K loop after its first step as a `tl.range` pipelined over 2 or 3 stages (`STAGES`): the same sums in
-    the same order as the default loop, plain and as a GLU by expert ids, and the result right."""
-    rng = np.random.default_rng(zlib_seed(kind) + 13)
-    k = 5 * _rr.CHUNK[kind][0]
-    w, ref = ggml_rows(kind, 9, k, rng)
-    gs = torch.stack([w, ggml_rows(kind, 9, k, rng)[0]])
-    us = torch.stack([ggml_rows(kind, 9, k, rng)[0], ggml_rows(kind, 9, k, rng)[0]])
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(13))
-    ids = torch.tensor([1, 0, 1])
-    outs = []
-    for ns in (1, 2, 3):
-        monkeypatch.setitem(_rr.STAGES, kind, ns)
-        assert _rr.stages(kind) == ns
-        outs.append((G.gemv(x, w, kind, k), G.gemv_experts_glu(x, gs, us, ids, kind, k)))
-    check(outs[0][0][0], x[0].double() @ ref.T, x[0].double().abs() @ ref.abs().T)
-    for plain, glu in outs[1:]:
-        assert torch.equal(plain, outs[0][0]) and torch.equal(glu, outs[0][1])
-    assert rr_calls == [kind] * 6

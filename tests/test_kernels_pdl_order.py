@@ -54,17 +54,6 @@ def _qsa_store_ptx(late: bool) -> str:
     return _ptx(qsa_store._qsa_store_kernel, ptrs, ints, consts, 4)
 
 
-def _gdn_step_ptx(early: bool) -> str:
-    from strata.kernels import gdn
-
-    ptrs = {a: "*bf16" for a in ("x_ptr", "b_ptr", "alpha_ptr", "convw_ptr", "win_ptr", "o_ptr", "z_ptr", "out_ptr")}
-    ptrs.update({a: "*fp32" for a in ("A_ptr", "dtb_ptr", "S_ptr", "nw_ptr")}, cnt_ptr="*i32")
-    ints = dict(NK=16, NV=48, DK=128, DV=128, KEY_DIM=2048, REP=3, NVB=4, q_scale=0.088, eps=1e-6)
-    consts = dict(K=4, KP=4, BK=128, BV=32, BD=128, TILED=False, SILU=True, SILU_GATE=True,
-                  DT=triton.language.bfloat16, FUSED=True, EARLY=early, GDC=True, LATE=False)
-    return _ptx(gdn._gdn_step_kernel, ptrs, ints, consts, 4)
-
-
 def _cases() -> dict:
     """Name -> a function that compiles one case and returns its PTX."""
     cases = {}
@@ -76,8 +65,6 @@ def _cases() -> dict:
         cases[f"ids-Q5_1_R-settled-{settled}"] = lambda s=settled: _rr_ptx("Q5_1_R", True, s, RR.RELEASE["settled-ids"])
     for late in (True, False):
         cases[f"qsa_store-late-{late}"] = lambda lt=late: _qsa_store_ptx(lt)
-    for early in (True, False):
-        cases[f"gdn_step-early-{early}"] = lambda e=early: _gdn_step_ptx(e)
     for x, widen in (("bf16", True), ("bf16", False), ("fp32", True)):
         cases[f"widen-Q8_0_R-{x}-{widen}"] = lambda x=x, w=widen: _rr_ptx("Q8_0_R", False, False, RR.AT_WAIT, x, w)
     for kind, glu, x in (("Q4_K_R", True, "bf16"), ("Q5_1_R", False, "bf16"), ("Q4_K_R", True, "fp32")):
@@ -171,14 +158,3 @@ def test_experts_gemm_multiplies_16_bit_tiles_on_the_tensor_cores(ptx, case):
 if __name__ == "__main__":  # the fixture's subprocess: compile every case into the folder given
     for name, compile_case in _cases().items():
         (Path(sys.argv[1]) / f"{name}.ptx").write_text(compile_case())
-
-
-@pytest.mark.parametrize("early", [True, False])
-def test_gdn_step_loads_its_state_before_the_wait_only_when_asked(ptx, early):
-    """`gdn.PRELOAD_STATE`: the step kernel's state slab (32 fp32 per thread at the real geometry: eight 16-byte
-    loads) goes out before `griddepcontrol.wait`, after the release; without it nothing is loaded before."""
-    text = ptx[f"gdn_step-early-{early}"]
-    head = text[:text.index(WAIT)]
-    loads = head.count("ld.global")
-    assert head.count(LAUNCH) == 1
-    assert (loads >= 8) if early else (loads == 0), loads

@@ -22,10 +22,6 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   gdn:BV                     the GDN step with BV value columns per program (`gdn.gdn_step`'s block_v)
   preload:KIND:N             row-register launches of KIND load N K-loop steps before their PDL wait
                              (`gemv_rr.PRELOAD`; the routed GLU, by unsettled ids, loads them right after it)
-  gdn-state:0|1              the GDN step kernel loads its state slab before its PDL wait (1) or after (0)
-                             (`gdn.PRELOAD_STATE`)
-  stages:KIND:N              row-register launches of KIND run their K loop after the first step pipelined over
-                             N stages by Triton (cp.async through shared memory, `gemv_rr.STAGES`)
   gemv-type:NAME:R,W,S       the generic GEMV's small one-token launches of type NAME with R rows and W warps per
                              program, K split S (`gemv.GemvType.small`, `small_split`; R = 0: no small shape)
   ids-early:off              the routed down projections read the expert ids after their PDL wait
@@ -87,8 +83,7 @@ BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attent
         "hc_read_defaults": hyper.hc_read_defaults, "launch_shape": gemv_rr.launch_shape,
         "SETTLED_IDS": kernel_ops.SETTLED_IDS, "RELEASE": dict(gemv_rr.RELEASE), "rr_launch": gemv_rr.launch,
         "LATE_RELEASE": dict(pdl.LATE_RELEASE), "WIDEN_X_ASM": gemv_rr.WIDEN_X_ASM,
-        "gdn_step": gdn.gdn_step, "PRELOAD": dict(gemv_rr.PRELOAD), "STAGES": dict(gemv_rr.STAGES),
-        "PRELOAD_STATE": gdn.PRELOAD_STATE,
+        "gdn_step": gdn.gdn_step, "PRELOAD": dict(gemv_rr.PRELOAD),
         "GEMV_TYPE_NAMES": dict(kernel_gemv.GEMV_TYPE_NAMES), "greedy_token": graph.greedy_token,
         "GEMM_MIN_TOKENS": kernel_ops.GEMM_MIN_TOKENS,
         "GEMM_SHAPE": (experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS)}
@@ -182,9 +177,6 @@ def apply(variant: str) -> dict:
     experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS = BASE["GEMM_SHAPE"]
     gemv_rr.PRELOAD.clear()
     gemv_rr.PRELOAD.update(BASE["PRELOAD"])
-    gdn.PRELOAD_STATE = BASE["PRELOAD_STATE"]
-    gemv_rr.STAGES.clear()
-    gemv_rr.STAGES.update(BASE["STAGES"])
     for t in BASE["GEMV_TYPE_NAMES"].values():
         kernel_gemv.GEMV_TYPE_NAMES[t.name] = kernel_gemv.GEMV_TYPES[t.type_id] = t
     swaps = {}
@@ -206,10 +198,6 @@ def _apply_one(variant: str) -> dict:
         kernel_gemv.GEMV_TYPE_NAMES[t.name] = kernel_gemv.GEMV_TYPES[t.type_id] = t
     elif name == "preload" and len(args) == 2:
         gemv_rr.PRELOAD[args[0]] = int(args[1])
-    elif name == "gdn-state" and args in (["0"], ["1"]):
-        gdn.PRELOAD_STATE = args[0] == "1"
-    elif name == "stages" and len(args) == 2:
-        gemv_rr.STAGES[args[0]] = int(args[1])
     elif name == "gdn" and len(args) == 1:
         gdn.gdn_step = functools.partial(BASE["gdn_step"], block_v=int(args[0]))
     elif name == "release" and args == ["after-loop"]:

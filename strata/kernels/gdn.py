@@ -114,11 +114,10 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
                      NK, NV, DK, DV, KEY_DIM, REP, NVB, q_scale, eps,
                      K: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr,
                      TILED: tl.constexpr, SILU: tl.constexpr, SILU_GATE: tl.constexpr, DT: tl.constexpr,
-                     FUSED: tl.constexpr, EARLY: tl.constexpr = False, GDC: tl.constexpr = False,
-                     LATE: tl.constexpr = False):
+                     FUSED: tl.constexpr, GDC: tl.constexpr = False, LATE: tl.constexpr = False):
     """The step of one (dk, BV) state slab; with FUSED also the gated norm and the conv window shift (tickets
-    in cnt: NV value-head counters, then NK key-head counters), else `_gdn_out_kernel` does those. With EARLY
-    the slab and the head's gate parameters are loaded before the PDL wait (`PRELOAD_STATE`)."""
+    in cnt: NV value-head counters, then NK key-head counters), else `_gdn_out_kernel` does those."""
+    pdl.enter(GDC, LATE)
     j = tl.program_id(0)  # value head
     vb = tl.program_id(1)  # dv block
     if TILED:
@@ -129,19 +128,6 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
     im = i < DK
     vcol = vb * BV + tl.arange(0, BV)
     vm = vcol < DV
-    sp_ptrs = S_ptr + j * DK * DV + i[:, None] * DV + vcol[None, :]
-    smask = im[:, None] & vm[None, :]
-    if EARLY:
-        if not LATE:
-            pdl.started(GDC)
-        S = tl.load(sp_ptrs, mask=smask, other=0.0)
-        a_log = tl.load(A_ptr + j)
-        dt_bias = tl.load(dtb_ptr + j)
-        pdl.wait(GDC)
-        if LATE:
-            pdl.started(GDC)
-    else:
-        pdl.enter(GDC, LATE)
 
     q = _conv_act(x_ptr, win_ptr, convw_ptr, kh * DK + i, im, K, KP, SILU, DT)
     k = _conv_act(x_ptr, win_ptr, convw_ptr, KEY_DIM + kh * DK + i, im, K, KP, SILU, DT)
@@ -155,17 +141,14 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
 
     # gates: beta in the model dtype, g in fp32 (softplus with PyTorch's threshold of 20)
     beta = tl.sigmoid(tl.load(b_ptr + j).to(tl.float32)).to(DT).to(tl.float32)
-    if not EARLY:
-        dt_bias = tl.load(dtb_ptr + j)
-        a_log = tl.load(A_ptr + j)
-    sp_in = tl.load(alpha_ptr + j).to(tl.float32) + dt_bias
+    sp_in = tl.load(alpha_ptr + j).to(tl.float32) + tl.load(dtb_ptr + j)
     sp = tl.where(sp_in > 20.0, sp_in, tl.log(1.0 + tl.exp(tl.minimum(sp_in, 20.0))))
     sp = tl.where(sp_in < -15.0, tl.exp(sp_in), sp)  # log1p(e) for tiny e, where log(1 + e) rounds to 0
-    decay = tl.exp(a_log * sp)
+    decay = tl.exp(tl.load(A_ptr + j) * sp)
 
-    if not EARLY:
-        S = tl.load(sp_ptrs, mask=smask, other=0.0)
-    S = S * decay
+    sp_ptrs = S_ptr + j * DK * DV + i[:, None] * DV + vcol[None, :]
+    smask = im[:, None] & vm[None, :]
+    S = tl.load(sp_ptrs, mask=smask, other=0.0) * decay
     r = tl.sum(S * k[:, None], axis=0)
     delta = (v - r) * beta
     S = S + k[:, None] * delta[None, :]
@@ -214,14 +197,6 @@ def _gdn_out_kernel(o_ptr, z_ptr, nw_ptr, out_ptr, x_ptr, win_ptr, DV, C, CH_PER
         _window_store(win_ptr, ch, end, nxt, K, KP)
 
 
-PRELOAD_STATE = False
-"""Whether the step kernel loads its state slab (and the head's A, dt bias) before its PDL wait, while the
-projection group before it still streams. The slab was last written by this kernel one token earlier, and
-that launch is complete before this one starts: graph replays run one after the other, and in an eager step every
-layer's routed GLU waits for the kernel before it before letting the next one in (`gemv_rr.RELEASE`), and each
-kernel's wait is for the completion of the one before it. Off until measured in the step (`tools/step_variants.py`, `gdn-state:1`)."""
-
-
 def supported(x: torch.Tensor, state: GDNState, cfg: ModelConfig) -> bool:
     """Shapes the fused step handles: one token, a conv of at least 2 taps, model dtype the kernel knows."""
     return (x.shape[0] == 1 and cfg.linear_conv_kernel_dim >= 2 and x.dtype in TL_DTYPES
@@ -259,7 +234,7 @@ def gdn_step(x: torch.Tensor, z: torch.Tensor, b: torch.Tensor, alpha: torch.Ten
         nk, nv, dk, dv, cfg.gdn_key_dim, nv // nk, nvb, dk ** -0.5, cfg.rms_norm_eps,
         K=K, KP=triton.next_power_of_2(K), BK=triton.next_power_of_2(dk), BV=bv, BD=bd,
         TILED=prm.value_order == "tiled", SILU=cfg.hidden_act == "silu", SILU_GATE=silu_gate, DT=TL_DTYPES[dt],
-        FUSED=cnt is not None, EARLY=PRELOAD_STATE, **pdl.launch(x.device, "gdn_step"))
+        FUSED=cnt is not None, **pdl.launch(x.device, "gdn_step"))
     if cnt is None:  # no ticket counters on this stream: the norm and shift in a second launch
         ch_per = triton.cdiv(C, nv)
         _gdn_out_kernel[(nv,)](

@@ -174,14 +174,14 @@ def _q8_0_r_step_load(wp, g, blk, k, D_STRIDE):
 @triton.jit
 def _q8_0_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr,
                  ASM: tl.constexpr, GDC: tl.constexpr, REL: tl.constexpr = False, XA: tl.constexpr = False,
-                 PRE: tl.constexpr = 1, NS: tl.constexpr = 1):
+                 PRE: tl.constexpr = 1):
     """`_super_block_rows` for Q8_0_R rows: NCH groups of 256 weights."""
     wp = rp.to(tl.pointer_type(tl.int32))[:, None, None, None]
     s = tl.arange(0, SBC)[None, :, None, None]
     blk = tl.arange(0, 8)[None, None, :, None]
     k = tl.arange(0, 4)[None, None, None, :]
     return _k_loop(wp, xp, s, blk, k, base, D_STRIDE, NCH // SBC, SBC, BR, _q8_0_r_step_load, _q8_0_r_fma, ASM, XA,
-                   GDC, REL, PRE, 8, NS)
+                   GDC, REL, PRE, 8)
 
 
 @triton.jit
@@ -211,7 +211,7 @@ def _q5_1_r_fma(acc, raw, xp, sb, s, blk, k, base, ASM: tl.constexpr, XA: tl.con
 @triton.jit
 def _q5_1_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr,
                  ASM: tl.constexpr, GDC: tl.constexpr, PRE: tl.constexpr = 1, REL: tl.constexpr = False,
-                 XA: tl.constexpr = False, NS: tl.constexpr = 1):
+                 XA: tl.constexpr = False):
     """`_super_block_rows` for Q5_1_R rows: NCH groups of 128 weights (four blocks; a thread takes one block's 16 nibble
     bytes). The fifth bits land on bit 4 of each byte by one shift and one masked OR (`repack.py` placed them),
     and w = d q + m = fma(0.5 + q / 256, 256 d, m - 128 d). The first PRE loop steps' words (up to 6) are in
@@ -221,7 +221,7 @@ def _q5_1_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, B
     blk = tl.arange(0, 4)[None, None, :, None]
     k = tl.arange(0, 4)[None, None, None, :]
     return _k_loop(wp, xp, s, blk, k, base, D_STRIDE, NCH // SBC, SBC, BR, _q5_1_r_load, _q5_1_r_fma, ASM, XA, GDC,
-                   REL, PRE, 4, NS)
+                   REL, PRE)
 
 
 @triton.jit
@@ -286,7 +286,7 @@ def _q6_k_r_step_fma(acc, raw, xp, sb0, s, c, k, base, ASM: tl.constexpr, XA: tl
 @triton.jit
 def _super_block_rows(rp, xp, base, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr, ASM: tl.constexpr,
                       GDC: tl.constexpr, Q6: tl.constexpr, REL: tl.constexpr = False, XA: tl.constexpr = False,
-                      PRE: tl.constexpr = 1, NS: tl.constexpr = 1):
+                      PRE: tl.constexpr = 1):
     """[BR] fp32: the Q4_K_R rows (Q6_K_R with Q6) at byte pointers rp (16-byte aligned) times x at xp ([BR, 1, 1,
     1] pointers, one x), NCH super-blocks, SBC per loop step (`_k_loop`)."""
     wp = rp.to(tl.pointer_type(tl.int32))[:, None, None, None]
@@ -295,33 +295,23 @@ def _super_block_rows(rp, xp, base, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl
     k = tl.arange(0, 4)[None, None, None, :]
     if Q6:
         return _k_loop(wp, xp, s, c, k, base, 0, NCH // SBC, SBC, BR, _q6_k_r_step_load, _q6_k_r_step_fma, ASM, XA,
-                       GDC, REL, PRE, 4, NS)
+                       GDC, REL, PRE)
     else:
         return _k_loop(wp, xp, s, c, k, base, 0, NCH // SBC, SBC, BR, _q4_k_r_step_load, _q4_k_r_step_fma, ASM, XA,
-                       GDC, REL, PRE, 4, NS)
+                       GDC, REL, PRE)
 
 
 @triton.jit
 def _k_loop(wp, xp, s, a, k, base, D_STRIDE, NIT: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr,
             LOAD: tl.constexpr, FMA: tl.constexpr, ASM: tl.constexpr, XA: tl.constexpr, GDC: tl.constexpr,
-            REL: tl.constexpr, PRE: tl.constexpr, NA: tl.constexpr = 4, NS: tl.constexpr = 1):
+            REL: tl.constexpr, PRE: tl.constexpr, NA: tl.constexpr = 4):
     """[BR] fp32: a [BR, SBC, NA, 4] tile's K loop of NIT steps, LOAD(wp, step's groups, a, k, D_STRIDE) giving a
     step's words and FMA(acc, words, xp, first group, s, a, k, base, ASM, XA) adding their products, the next
     step's words loaded before this one's arithmetic. The first PRE steps' words (up to 6) are in flight before
-    `pdl.wait(GDC)` (`PRELOAD`). With NS > 1 (`STAGES`) the first step is loaded before the wait and the rest by a
-    loop that Triton pipelines over NS stages. The steps' sums are added in the same order whatever PRE and NS
-    are, so the result is the same."""
+    `pdl.wait(GDC)` (`PRELOAD`); the steps' sums are added in the same order whatever PRE is, so the result is
+    the same."""
     tl.static_assert(1 <= PRE and PRE <= 6 and PRE <= NIT, "preloaded steps: 1 .. min(6, loop steps)")
-    tl.static_assert(NS == 1 or PRE == 1, "a pipelined loop preloads one step")
-    if NS > 1:  # steps 1.. by Triton's software pipeliner: NS - 1 steps' loads in flight through shared memory
-        first = LOAD(wp, s, a, k, D_STRIDE)
-        pdl.wait(GDC)
-        if REL:
-            pdl.started(GDC)
-        acc = FMA(tl.zeros([BR, SBC, NA, 4], tl.float32), first, xp, 0, s, a, k, base, ASM, XA)
-        for it in tl.range(1, NIT, num_stages=NS):
-            acc = FMA(acc, LOAD(wp, it * SBC + s, a, k, D_STRIDE), xp, it * SBC, s, a, k, base, ASM, XA)
-    elif PRE == 1:
+    if PRE == 1:
         nxt = LOAD(wp, s, a, k, D_STRIDE)
         pdl.wait(GDC)
         if REL:
@@ -375,7 +365,7 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
                SBC: tl.constexpr, BR: tl.constexpr, GLU: tl.constexpr,
                HAS_IDS: tl.constexpr, ASM: tl.constexpr, SPLIT_SUM: tl.constexpr, SPLIT: tl.constexpr = 1,
                SLOT_SUM: tl.constexpr = 0, IDS_EARLY: tl.constexpr = False, RELEASE: tl.constexpr = 0,
-               PRE: tl.constexpr = 1, XW: tl.constexpr = False, NS: tl.constexpr = 1, GDC: tl.constexpr = False):
+               PRE: tl.constexpr = 1, XW: tl.constexpr = False, GDC: tl.constexpr = False):
     """out[slot, rows] = W[slot's matrix][rows] . x[slot], or with GLU act(G . x) * (U . x), for one token.
 
     Program (i, slot, s): BR rows of the matrix of `slot` (expert ids[slot] when HAS_IDS), or with GLU BR / 2 rows
@@ -425,13 +415,13 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
     xp = (x_ptr + slot * x_slot_stride + part * (NC * CHUNK_ELEMS) + r * X_ROW_STRIDE)[:, None, None, None]
     if KIND == "Q4_K_R" or KIND == "Q6_K_R":
         res = _super_block_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, NC, SBC, BR, ASM,
-                                GDC and (IDS_EARLY or not HAS_IDS), KIND == "Q6_K_R", REL, XA, PRE, NS)
+                                GDC and (IDS_EARLY or not HAS_IDS), KIND == "Q6_K_R", REL, XA, PRE)
     elif KIND == "Q8_0_R":
         res = _q8_0_r_rows(rp, xp, tl.full([BR, SBC, 8, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
-                           GDC and (IDS_EARLY or not HAS_IDS), REL, XA, PRE, NS)
+                           GDC and (IDS_EARLY or not HAS_IDS), REL, XA, PRE)
     else:
         res = _q5_1_r_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
-                           GDC and (IDS_EARLY or not HAS_IDS), PRE, REL, XA, NS)
+                           GDC and (IDS_EARLY or not HAS_IDS), PRE, REL, XA)
     if RELEASE == 0:
         pdl.started(GDC)
     last = 1
@@ -522,17 +512,6 @@ def preload_steps(kind: str, steps: int) -> int:
     return max(1, min(PRELOAD.get(kind, 1), steps, MAX_PRELOAD))
 
 
-STAGES: dict[str, int] = {}
-"""Software-pipelined K loops by type: the loop steps after the first run in a `tl.range` of this many stages, so
-Triton issues the loads of the next stages - 1 steps ahead into shared memory (cp.async) instead of holding them
-in registers (`PRELOAD`). None by default; `tools/step_variants.py` (`stages:KIND:N`) measures it in the step."""
-
-
-def stages(kind: str) -> int:
-    """The pipeline stages of a `kind` launch's K loop (`STAGES`; 1: the loop of `PRELOAD`)."""
-    return max(1, STAGES.get(kind, 1))
-
-
 MAX_PRELOAD = 6
 """The most loop steps a launch can load before its wait (`_k_loop`)."""
 
@@ -576,6 +555,5 @@ def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None
         GLU=glu, HAS_IDS=ids is not None, ASM=x.device.type == "cuda", SPLIT_SUM=split_sum, SPLIT=split,
         SLOT_SUM=slots if slot_weights is not None else 0, IDS_EARLY=ids_early and ids is not None,
         RELEASE=RELEASE["plain" if ids is None else "settled-ids" if ids_early else "ids"],
-        PRE=1 if stages(kind) > 1 else preload_steps(kind, k // CHUNK[kind][0] // (split * sbc)), XW=WIDEN_X_ASM,
-        NS=stages(kind),
+        PRE=preload_steps(kind, k // CHUNK[kind][0] // (split * sbc)), XW=WIDEN_X_ASM,
         num_warps=warps, **gdc)

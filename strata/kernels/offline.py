@@ -44,12 +44,12 @@ def compile_for(fn, ptrs: dict[str, str], ints: dict[str, int | float], consts: 
 
 def compile_rr(kind: str, n: int, k: int, *, glu: bool = False, x: str = "bf16", has_ids: bool = False,
                ids_early: bool = False, release: int | None = None, widen: bool | None = None, gdc: bool = False,
-               shape: tuple[int, int, int] | None = None, stages: int = 1, arch: int = 90,
-               ) -> tuple[triton.compiler.CompiledKernel, dict]:
+               shape: tuple[int, int, int] | None = None, arch: int = 90) -> tuple[triton.compiler.CompiledKernel,
+                                                                                 dict]:
     """One one-token launch of `gemv_rr._rr_kernel` over n rows of k weights of `kind` (its `launch_shape`, or
     `shape` = (rows, chunks per step, warps); no K split, bf16 output), compiled for sm_`arch`, and its launch
     facts. release: a `gemv_rr.RELEASE` mode (AFTER_LOOP when None); widen: `gemv_rr.WIDEN_X_ASM` when None;
-    gdc: with PDL; stages: `gemv_rr.STAGES`."""
+    gdc: with PDL."""
     from strata.kernels import gemv, gemv_rr
 
     widen = gemv_rr.WIDEN_X_ASM if widen is None else widen
@@ -64,7 +64,7 @@ def compile_rr(kind: str, n: int, k: int, *, glu: bool = False, x: str = "bf16",
     consts = dict(KIND=kind, CHUNK_ELEMS=elems, CHUNK_BYTES=chunk_bytes, NCH=n_chunks, SBC=sbc, BR=br, GLU=glu,
                   HAS_IDS=has_ids, ASM=True, SPLIT_SUM=gemv._split_sum, SPLIT=1, SLOT_SUM=0, IDS_EARLY=ids_early,
                   RELEASE=gemv_rr.AFTER_LOOP if release is None else release,
-                  PRE=1 if stages > 1 else gemv_rr.preload_steps(kind, n_chunks // sbc), XW=widen, NS=stages, GDC=gdc)
+                  PRE=gemv_rr.preload_steps(kind, n_chunks // sbc), XW=widen, GDC=gdc)
     ck = compile_for(gemv_rr._rr_kernel, ptrs, ints, consts, warps, arch)
     return ck, dict(type=kind, n=n, k=k, kernel="rr glu" if glu else "rr", BN=br, warps=warps, NB=sbc, x=x,
                     x_widen=widen, weights_per_thread=br * sbc * elems / (warps * 32))
