@@ -163,13 +163,10 @@ def git_commit() -> str:
         return "unknown"
 
 
-def bench_decode(model: Model, context: int, tokens: int = 64, runs: int = 3, seed: int = 0,
-                 stage_table: bool = True, profile: bool = False, split: bool = True, timeline: bool = False) -> dict:
-    """Decode ms/token at `context` through the captured step (split at the first PLE layer unless `split` is
-    False), and the per-stage table; with `profile` the kernels of a step, and with `timeline` every kernel of one
-    replay (`replay_profile`)."""
-    dev = model.device
-    gen = torch.Generator(device=dev).manual_seed(seed)
+def _ready_step(model: Model, context: int, tokens: int, runs: int, seed: int, split: bool,
+                ) -> tuple[DecodeStep, int, float]:
+    """A captured decode step at `context` (random state), warmed up: (step, next token, capture seconds)."""
+    gen = torch.Generator(device=model.device).manual_seed(seed)
     step = DecodeStep(model, capacity=context + tokens * (runs + 2) + 8, capture=True, split=split)
     fill_state(step, context, gen)
     tok = 11
@@ -178,6 +175,25 @@ def bench_decode(model: Model, context: int, tokens: int = 64, runs: int = 3, se
     capture_s = time.perf_counter() - t0
     for _ in range(tokens // 4):
         tok = int(step.next_token(tok))
+    return step, tok, capture_s
+
+
+def profile_decode(model: Model, context: int, tokens: int = 64, runs: int = 3, seed: int = 0, split: bool = True,
+                   timeline: bool = False) -> dict:
+    """`bench_decode`'s kernel profiles alone ("kernels", "replay_kernels"), for a caller that times first: once
+    the profiler has run in a process, every later launch call on the host is slower (its activity tracing stays
+    attached), so `strata bench` profiles after all its timings."""
+    step = _ready_step(model, context, tokens, runs, seed, split)[0]
+    return {"kernels": kernel_profile(step), "replay_kernels": replay_profile(step, timeline=timeline)}
+
+
+def bench_decode(model: Model, context: int, tokens: int = 64, runs: int = 3, seed: int = 0,
+                 stage_table: bool = True, profile: bool = False, split: bool = True, timeline: bool = False) -> dict:
+    """Decode ms/token at `context` through the captured step (split at the first PLE layer unless `split` is
+    False), and the per-stage table; with `profile` the kernels of a step, and with `timeline` every kernel of one
+    replay (`replay_profile`)."""
+    dev = model.device
+    step, tok, capture_s = _ready_step(model, context, tokens, runs, seed, split)
     per_token_ms, wall_ms = [], []
     for _ in range(runs):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
