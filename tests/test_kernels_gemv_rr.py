@@ -263,3 +263,5 @@ def test_preloaded_k_loop_steps_change_no_bit(kind: str, rr_calls, monkeypatch) 
     assert rr_calls == [kind] * 6
     monkeypatch.setitem(_rr.PRELOAD, kind, 8)
     assert _rr.preload_steps(kind, 5) == 5 and _rr.preload_steps(kind, 8) == _rr.MAX_PRELOAD == 6
+    monkeypatch.setitem(_rr.PRELOAD, f"{kind}/5", 2)  # launches of five loop steps only
+    assert _rr.preload_steps(kind, 5) == 2 and _rr.preload_steps(kind, 8) == 6

@@ -21,7 +21,8 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
                              (`gemv_rr.RELEASE["ids"]`)
   gdn:BV                     the GDN step with BV value columns per program (`gdn.gdn_step`'s block_v)
   preload:KIND:N             row-register launches of KIND load N K-loop steps before their PDL wait
-                             (`gemv_rr.PRELOAD`; the routed GLU, by unsettled ids, loads them right after it)
+                             (`gemv_rr.PRELOAD`; the routed GLU, by unsettled ids, loads them right after it);
+                             KIND/S for the launches of S loop steps only (Q8_0_R/6: the out projections)
   gemv-type:NAME:R,W,S       the generic GEMV's small one-token launches of type NAME with R rows and W warps per
                              program, K split S (`gemv.GemvType.small`, `small_split`; R = 0: no small shape)
   ids-early:off              the routed down projections read the expert ids after their PDL wait

@@ -488,8 +488,8 @@ read them before their wait). Measured in the 4K step on an H200 (`tools/step_va
   with FIRST): its successor's programs hold SM slots; in the step the successors are other, smaller launches."""
 
 PRELOAD = {"Q5_1_R": 5}
-"""Loop steps of a launch's K loop whose words are loaded before its PDL wait, by type (at most `MAX_PRELOAD`; the
-other types load one): more of the weights in flight while the kernel before runs, for more registers. In the 4K
+"""Loop steps of a launch's K loop whose words are loaded before its PDL wait, by type, or by type and loop steps
+as "Q8_0_R/6" (`preload_steps`; at most `MAX_PRELOAD`; the other types load one): more of the weights in flight while the kernel before runs, for more registers. In the 4K
 step on an H200 (bench/results/2026-12-04-h200-step-variants-preload.json): the routed down projections (Q5_1_R,
 five steps) with all five, 4.598-4.609 -> 4.568 ms per replay (their share of a layer's path 9.4 -> 7.2 us). Two or
 more for Q8_0_R (the same code, measured on 53861cb), which the projection groups share, made the step slower
@@ -507,9 +507,9 @@ GEMVs give the same outputs both ways there (`tools/gpu_check_gemv.py`: bf16_wid
 
 
 def preload_steps(kind: str, steps: int) -> int:
-    """The K-loop steps of a `kind` launch of `steps` steps loaded before its PDL wait (`PRELOAD`, at most
-    `MAX_PRELOAD`)."""
-    return max(1, min(PRELOAD.get(kind, 1), steps, MAX_PRELOAD))
+    """The K-loop steps of a `kind` launch of `steps` steps loaded before its PDL wait (`PRELOAD`: the entry
+    "KIND/STEPS" for launches of that many steps, else "KIND"; at most `MAX_PRELOAD`)."""
+    return max(1, min(PRELOAD.get(f"{kind}/{steps}", PRELOAD.get(kind, 1)), steps, MAX_PRELOAD))
 
 
 MAX_PRELOAD = 6
