@@ -157,6 +157,11 @@ def _prompt_logits(model: Model, tokens: int, chunk: int) -> torch.Tensor:
     return bench.prefill_chunks(model, ids, model.new_state(capacity=tokens + 8), chunk).float().cpu()
 
 
+def _variant_model(w, dev: torch.device, variant: str) -> Model:
+    """The bf16 model on `w` with `variant`'s patches applied and its op swaps in the fast op table."""
+    return Model(w, torch.bfloat16, dev, dataclasses.replace(fast_ops(streams=True), **apply(variant)))
+
+
 def apply(variant: str) -> dict:
     """Reset every patch, then apply those of `variant`'s parts (see the module docstring); the op table
     entries they swap."""
@@ -274,8 +279,7 @@ def main() -> int:
           + (f"{'prefill t/s':>12}{'logits diff':>12}" if args.prefill_tokens else ""), flush=True)
     first_logits = None
     for variant in args.variants:
-        swaps = apply(variant)
-        model = Model(w, torch.bfloat16, dev, dataclasses.replace(fast_ops(streams=True), **swaps))
+        model = _variant_model(w, dev, variant)
         t0 = time.perf_counter()
         r = bench.bench_decode(model, args.context, args.tokens, 3, stage_table=False)
         row = {"variant": variant, "replay_ms": r["graph_replay_ms"], "ms_per_token": r["ms_per_token"],
@@ -293,8 +297,7 @@ def main() -> int:
             Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"{'variant':<34}{'GDN us':>8}{'QSA us':>8}  (critical paths, profiled)", flush=True)
     for row in report["rows"]:
-        swaps = apply(row["variant"])
-        model = Model(w, torch.bfloat16, dev, dataclasses.replace(fast_ops(streams=True), **swaps))
+        model = _variant_model(w, dev, row["variant"])
         paths = bench.profile_decode(model, args.context, args.tokens, 3, timeline=True)["replay_kernels"]["layers"]
         row["layer_paths"] = paths
         span = {k: paths.get(k, {}).get("span_us", float("nan")) for k in ("gdn", "qsa")}

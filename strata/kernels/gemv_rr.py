@@ -489,10 +489,11 @@ read them before their wait). Measured in the 4K step on an H200 (`tools/step_va
 
 PRELOAD = {"Q5_1_R": 5}
 """Loop steps of a launch's K loop whose words are loaded before its PDL wait, by type, or by type and loop steps
-as "Q8_0_R/6" (`preload_steps`; at most `MAX_PRELOAD`; the other types load one): more of the weights in flight while the kernel before runs, for more registers. In the 4K
-step on an H200 (bench/results/2026-12-04-h200-step-variants-preload.json): the routed down projections (Q5_1_R,
-five steps) with all five, 4.598-4.609 -> 4.568 ms per replay (their share of a layer's path 9.4 -> 7.2 us). Two or
-more for Q8_0_R (the same code, measured on 53861cb), which the projection groups share, made the step slower
+as "Q8_0_R/6" (`preload_steps`; at most `MAX_PRELOAD`; the other types load one): more of the weights in flight
+while the kernel before runs, for more registers. In the 4K step on an H200
+(bench/results/2026-12-04-h200-step-variants-preload.json): the routed down projections (Q5_1_R, five steps) with
+all five, 4.598-4.609 -> 4.568 ms per replay (their share of a layer's path 9.4 -> 7.2 us). Two or more for every
+Q8_0_R launch (the same code, measured on 53861cb), the projection groups among them, made the step slower
 (4.67-4.72 ms: their early programs slow the HC read before them)."""
 
 

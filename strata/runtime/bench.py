@@ -180,18 +180,17 @@ def _ready_step(model: Model, context: int, tokens: int, runs: int, seed: int, s
 
 def profile_decode(model: Model, context: int, tokens: int = 64, runs: int = 3, seed: int = 0, split: bool = True,
                    timeline: bool = False) -> dict:
-    """`bench_decode`'s kernel profiles alone ("kernels", "replay_kernels"), for a caller that times first: once
-    the profiler has run in a process, every later launch call on the host is slower (its activity tracing stays
-    attached), so `strata bench` profiles after all its timings."""
+    """The kernels of one eager step and of one graph replay at `context` ("kernels", "replay_kernels"; with
+    `timeline` every kernel of the replay, `replay_profile`). Run it after all timings: once the profiler has run
+    in a process, every later launch call on the host is slower (its activity tracing stays attached)."""
     step = _ready_step(model, context, tokens, runs, seed, split)[0]
     return {"kernels": kernel_profile(step), "replay_kernels": replay_profile(step, timeline=timeline)}
 
 
 def bench_decode(model: Model, context: int, tokens: int = 64, runs: int = 3, seed: int = 0,
-                 stage_table: bool = True, profile: bool = False, split: bool = True, timeline: bool = False) -> dict:
+                 stage_table: bool = True, split: bool = True) -> dict:
     """Decode ms/token at `context` through the captured step (split at the first PLE layer unless `split` is
-    False), and the per-stage table; with `profile` the kernels of a step, and with `timeline` every kernel of one
-    replay (`replay_profile`)."""
+    False), the host's share of a token, and the per-stage table. The kernel profiles are `profile_decode`'s."""
     dev = model.device
     step, tok, capture_s = _ready_step(model, context, tokens, runs, seed, split)
     per_token_ms, wall_ms = [], []
@@ -232,9 +231,6 @@ def bench_decode(model: Model, context: int, tokens: int = 64, runs: int = 3, se
            "graph_replay_ms": replay_ms, "graphs_per_step": len(step.graphs["logits"]), "capture_s": capture_s,
            "host_ms_per_token": host}
     out["tok_per_s"] = 1e3 / out["ms_per_token"]
-    if profile:
-        out["kernels"] = kernel_profile(step)
-        out["replay_kernels"] = replay_profile(step, timeline=timeline)
     if stage_table:
         times = StageTimes()
         prof = Model(model.w, model.dtype, model.device, timed_ops(step.model.ops, model.cfg, times))
