@@ -19,6 +19,7 @@ If nvdisasm is missing it falls back to counting PTX instructions in the loop (l
     python tools/gemv_sass.py Q4_K_R Q8_0_R Q5_1_R --rr --x fp32    # the row-register kernel (kernels/gemv_rr.py)
     python tools/gemv_sass.py Q4_K_R --rr --out counts.json         # also write the reports as JSON
     python tools/gemv_sass.py Q4_K_R --rr --x-widen 1               # bf16 x widened by inline PTX
+    python tools/gemv_sass.py Q4_K_R Q8_0_R Q5_1_R --rr --x q8      # Q8 activations (kernels/gemv_q8x.py)
     python tools/gemv_sass.py Q4_K_R --experts-gemm --kernel glu --n 640 --k 2560   # the prefill's expert GEMM
 """
 
@@ -166,7 +167,7 @@ def ptx_loop_count(ptx: str) -> int:
 def analyze(t: G.GemvType, n: int, k: int, bn=None, nw=None, nb=None, kernel="gemv", dump=False,
             x_dtype: str = "bf16") -> dict:
     if kernel.startswith("rr"):
-        ck, facts = compile_rr(t.name, n, k, glu=kernel == "rr glu", x=x_dtype)
+        ck, facts = compile_rr(t.name, n, k, glu=kernel == "rr glu", x=x_dtype, q8x=x_dtype == "q8")
     elif kernel.startswith("gemm"):
         EG.BLOCK_N, EG.NUM_WARPS = bn or EG.BLOCK_N, nw or EG.NUM_WARPS
         glu = kernel == "gemm glu"
@@ -224,7 +225,8 @@ def main() -> int:
     ap.add_argument("--experts-gemm", action="store_true",
                     help="the prefill's grouped expert GEMM (kernels/experts_gemm.py; --kernel glu: gate/up); "
                          "--bn/--warps set its BLOCK_N/NUM_WARPS; instructions per weight decoded per thread")
-    ap.add_argument("--x", default="bf16", choices=("bf16", "fp32"), help="x's element type (default bf16)")
+    ap.add_argument("--x", default="bf16", choices=("bf16", "fp32", "q8"),
+                    help="x's element type (default bf16; q8: Q8 activations, `gemv_q8x`, with --rr)")
     ap.add_argument("--x-widen", default=None, choices=("0", "1"),
                     help="the row-register kernel with bf16 x widened by inline PTX (1) or not (0); default: "
                          "gemv_rr.WIDEN_X_ASM")

@@ -721,7 +721,7 @@ def _launch_rr(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor 
                k: int, slots: int, w_slot_stride: int, x_slot_stride: int, out_slot_stride: int,
                up: torch.Tensor | None, up_slot_stride: int, split_k: int | None,
                slot_weights: torch.Tensor | None, shape: tuple[int, int, int, int] | None = None,
-               ids_settled: bool = False) -> bool:
+               ids_settled: bool = False, q8x: bool = False) -> bool:
     """One launch of the row-register kernel (`gemv_rr`) in its `launch_shape` (or `shape`; `split_k` overrides
     its K split, which is dropped where the row tiles outnumber the ticket counters): True, or False when a slot
     sum cannot have its tickets, for the generic kernel to run instead."""
@@ -750,7 +750,7 @@ def _launch_rr(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor 
         part = torch.empty(tiles * (slots if summed else slots * split) * br, dtype=torch.float32, device=w.device)
     gemv_rr.launch(t.name, x, w, ids, out, n, k, slots, w_slot_stride, x_slot_stride, out_slot_stride, up,
                    up_slot_stride, (br, sbc, warps, split), _split_sum, part, cnt, slot_weights,
-                   pdl.launch(x.device), ids_early=ids_settled)
+                   pdl.launch(x.device), ids_early=ids_settled, q8x=q8x)
     return True
 
 

@@ -174,14 +174,18 @@ def _q8_0_r_step_load(wp, g, blk, k, D_STRIDE):
 @triton.jit
 def _q8_0_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr,
                  ASM: tl.constexpr, GDC: tl.constexpr, REL: tl.constexpr = False, XA: tl.constexpr = False,
-                 PRE: tl.constexpr = 1):
+                 PRE: tl.constexpr = 1, XQ: tl.constexpr = False):
     """`_super_block_rows` for Q8_0_R rows: NCH groups of 256 weights."""
     wp = rp.to(tl.pointer_type(tl.int32))[:, None, None, None]
     s = tl.arange(0, SBC)[None, :, None, None]
     blk = tl.arange(0, 8)[None, None, :, None]
     k = tl.arange(0, 4)[None, None, None, :]
-    return _k_loop(wp, xp, s, blk, k, base, D_STRIDE, NCH // SBC, SBC, BR, _q8_0_r_step_load, _q8_0_r_fma, ASM, XA,
-                   GDC, REL, PRE, 8)
+    if XQ:
+        return _k_loop(wp, xp, s, blk, k, base, D_STRIDE, NCH // SBC, SBC, BR, _q8_0_r_step_load, _q8_0_r_q8x_fma,
+                       ASM, XA, GDC, REL, PRE, 8, 1)
+    else:
+        return _k_loop(wp, xp, s, blk, k, base, D_STRIDE, NCH // SBC, SBC, BR, _q8_0_r_step_load, _q8_0_r_fma, ASM,
+                       XA, GDC, REL, PRE, 8)
 
 
 @triton.jit
@@ -211,7 +215,7 @@ def _q5_1_r_fma(acc, raw, xp, sb, s, blk, k, base, ASM: tl.constexpr, XA: tl.con
 @triton.jit
 def _q5_1_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr,
                  ASM: tl.constexpr, GDC: tl.constexpr, PRE: tl.constexpr = 1, REL: tl.constexpr = False,
-                 XA: tl.constexpr = False):
+                 XA: tl.constexpr = False, XQ: tl.constexpr = False):
     """`_super_block_rows` for Q5_1_R rows: NCH groups of 128 weights (four blocks; a thread takes one block's 16 nibble
     bytes). The fifth bits land on bit 4 of each byte by one shift and one masked OR (`repack.py` placed them),
     and w = d q + m = fma(0.5 + q / 256, 256 d, m - 128 d). The first PRE loop steps' words (up to 6) are in
@@ -220,8 +224,12 @@ def _q5_1_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, B
     s = tl.arange(0, SBC)[None, :, None, None]
     blk = tl.arange(0, 4)[None, None, :, None]
     k = tl.arange(0, 4)[None, None, None, :]
-    return _k_loop(wp, xp, s, blk, k, base, D_STRIDE, NCH // SBC, SBC, BR, _q5_1_r_load, _q5_1_r_fma, ASM, XA, GDC,
-                   REL, PRE)
+    if XQ:
+        return _k_loop(wp, xp, s, blk, k, base, D_STRIDE, NCH // SBC, SBC, BR, _q5_1_r_load, _q5_1_r_q8x_fma, ASM,
+                       XA, GDC, REL, PRE, 4, 1)
+    else:
+        return _k_loop(wp, xp, s, blk, k, base, D_STRIDE, NCH // SBC, SBC, BR, _q5_1_r_load, _q5_1_r_fma, ASM, XA,
+                       GDC, REL, PRE)
 
 
 @triton.jit
@@ -284,9 +292,101 @@ def _q6_k_r_step_fma(acc, raw, xp, sb0, s, c, k, base, ASM: tl.constexpr, XA: tl
 
 
 @triton.jit
+def _dp4a(a, b, c, UA: tl.constexpr, ASM: tl.constexpr):
+    """c + the sum of the four byte products of a and b (b's bytes signed, a's unsigned with UA, else signed): one
+    `dp4a` on the GPU."""
+    if ASM:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;" if UA else "dp4a.s32.s32 $0, $1, $2, $3;",
+                                         "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        r = c
+        for j in tl.static_range(4):
+            if UA:
+                aj = (a >> (8 * j)) & 255
+            else:
+                aj = (a << (24 - 8 * j)) >> 24
+            r += aj * ((b << (24 - 8 * j)) >> 24)
+        return r
+
+
+@triton.jit
+def _dot8(a0, x0, a1, x1, UA: tl.constexpr, ASM: tl.constexpr):
+    """The integer dot product of the 8 bytes of words a0, a1 with those of x0, x1 (two `dp4a`)."""
+    return _dp4a(a1, x1, _dp4a(a0, x0, a0 * 0, UA, ASM), UA, ASM)
+
+
+@triton.jit
+def _i2f(i):
+    """int32 i with |i| < 2^22 as fp32, exactly, in an integer add and a float add (no quarter-rate convert)."""
+    return (i + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+
+@triton.jit
+def _q8x_scales(uw, j):
+    """(d, s) of run j of the Q8 activation unit at int32 word pointer uw (`Q8X_UNIT`)."""
+    dp = (uw + 32 + 2 * j).to(tl.pointer_type(tl.float32))
+    return tl.load(dp), tl.load(dp + 1)
+
+
+@triton.jit
+def _q4_k_r_q8x_fma(acc, raw, xp, sb0, s, c, k, base, ASM: tl.constexpr, XA: tl.constexpr):
+    """acc += one step's Q4_K_R super-blocks (sb0 + s) times Q8 activations (xp: int32 pointer to the unit of the
+    first super-block; group c's runs 2c and 2c + 1 are runs 2 (c % 2) and 2 (c % 2) + 1 of unit 2 sb + c // 2).
+    Per run: x d S (q . qx) - M s, the dot product in integers."""
+    v0, v1, h0, h1, h2, h3 = raw
+    d = _f16_lo(h0)
+    dm = _f16_lo(h0 >> 16)
+    lowc = c < 2
+    sh = (16 * c) % 32
+    sc_lo, mn_lo = _k4_scale_min(h1, h2, h3, sh, lowc)
+    sc_hi, mn_hi = _k4_scale_min(h1, h2, h3, sh + 8, lowc)
+    uw = xp + ((sb0 + s) * 2 + c // 2) * 40
+    xw = uw + (c % 2) * 16 + k
+    i_lo = _dot8(v0 & 0x0F0F0F0F, tl.load(xw), v1 & 0x0F0F0F0F, tl.load(xw + 4), False, ASM)
+    i_hi = _dot8((v0 >> 4) & 0x0F0F0F0F, tl.load(xw + 8), (v1 >> 4) & 0x0F0F0F0F, tl.load(xw + 12), False, ASM)
+    xd_lo, xs_lo = _q8x_scales(uw, (c % 2) * 2)
+    xd_hi, xs_hi = _q8x_scales(uw, (c % 2) * 2 + 1)
+    a_lo = xd_lo * (d * _int_f32(sc_lo))
+    a_hi = xd_hi * (d * _int_f32(sc_hi))
+    off = dm * _int_f32(mn_lo) * xs_lo + dm * _int_f32(mn_hi) * xs_hi
+    i_lo = tl.sum(i_lo, axis=3, keep_dims=True)  # the run's 32 products, in integers
+    i_hi = tl.sum(i_hi, axis=3, keep_dims=True)
+    return acc + (_i2f(i_lo) * a_lo + _i2f(i_hi) * a_hi - off)
+
+
+@triton.jit
+def _q8_0_r_q8x_fma(acc, raw, xp, sb, s, blk, k, base, ASM: tl.constexpr, XA: tl.constexpr):
+    """acc += one Q8_0_R chunk's weights (of groups sb + s) times Q8 activations: block blk of group g is run
+    blk % 4 of unit 2 g + blk // 4; the stored bytes are q + 128, so dw (xd (u . qx) - 128 s)."""
+    v0, v1, dw = raw
+    dw = dw.to(tl.float32)
+    uw = xp + ((sb + s) * 2 + blk // 4) * 40
+    xw = uw + (blk % 4) * 8 + k
+    i = _dot8(v0, tl.load(xw), v1, tl.load(xw + 4), True, ASM)
+    xd, xs = _q8x_scales(uw, blk % 4)
+    return acc + (_i2f(tl.sum(i, axis=3, keep_dims=True)) * (dw * xd) - (128.0 * dw) * xs)
+
+
+@triton.jit
+def _q5_1_r_q8x_fma(acc, raw, xp, sb, s, blk, k, base, ASM: tl.constexpr, XA: tl.constexpr):
+    """acc += one Q5_1_R chunk's weights (of groups sb + s) times Q8 activations (group g is unit g, block blk its
+    run blk): d xd (q . qx) + m s."""
+    v, dmw, qh = raw
+    d = _f16_lo(dmw)
+    m = _f16_lo(dmw >> 16)
+    lo = (v & 0x0F0F0F0F) | ((qh >> k) & 0x10101010)
+    hi = ((v >> 4) & 0x0F0F0F0F) | ((qh << (4 - k)) & 0x10101010)
+    uw = xp + (sb + s) * 40
+    xw = uw + blk * 8 + k
+    i = _dot8(lo, tl.load(xw), hi, tl.load(xw + 4), False, ASM)
+    xd, xs = _q8x_scales(uw, blk)
+    return acc + (_i2f(tl.sum(i, axis=3, keep_dims=True)) * (d * xd) + m * xs)
+
+
+@triton.jit
 def _super_block_rows(rp, xp, base, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr, ASM: tl.constexpr,
                       GDC: tl.constexpr, Q6: tl.constexpr, REL: tl.constexpr = False, XA: tl.constexpr = False,
-                      PRE: tl.constexpr = 1):
+                      PRE: tl.constexpr = 1, XQ: tl.constexpr = False):
     """[BR] fp32: the Q4_K_R rows (Q6_K_R with Q6) at byte pointers rp (16-byte aligned) times x at xp ([BR, 1, 1,
     1] pointers, one x), NCH super-blocks, SBC per loop step (`_k_loop`)."""
     wp = rp.to(tl.pointer_type(tl.int32))[:, None, None, None]
@@ -296,6 +396,9 @@ def _super_block_rows(rp, xp, base, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl
     if Q6:
         return _k_loop(wp, xp, s, c, k, base, 0, NCH // SBC, SBC, BR, _q6_k_r_step_load, _q6_k_r_step_fma, ASM, XA,
                        GDC, REL, PRE)
+    elif XQ:
+        return _k_loop(wp, xp, s, c, k, base, 0, NCH // SBC, SBC, BR, _q4_k_r_step_load, _q4_k_r_q8x_fma, ASM, XA,
+                       GDC, REL, PRE, 4, 1)
     else:
         return _k_loop(wp, xp, s, c, k, base, 0, NCH // SBC, SBC, BR, _q4_k_r_step_load, _q4_k_r_step_fma, ASM, XA,
                        GDC, REL, PRE)
@@ -304,19 +407,19 @@ def _super_block_rows(rp, xp, base, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl
 @triton.jit
 def _k_loop(wp, xp, s, a, k, base, D_STRIDE, NIT: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr,
             LOAD: tl.constexpr, FMA: tl.constexpr, ASM: tl.constexpr, XA: tl.constexpr, GDC: tl.constexpr,
-            REL: tl.constexpr, PRE: tl.constexpr, NA: tl.constexpr = 4):
+            REL: tl.constexpr, PRE: tl.constexpr, NA: tl.constexpr = 4, AK: tl.constexpr = 4):
     """[BR] fp32: a [BR, SBC, NA, 4] tile's K loop of NIT steps, LOAD(wp, step's groups, a, k, D_STRIDE) giving a
     step's words and FMA(acc, words, xp, first group, s, a, k, base, ASM, XA) adding their products, the next
     step's words loaded before this one's arithmetic. The first PRE steps' words (up to 6) are in flight before
     `pdl.wait(GDC)` (`PRELOAD`); the steps' sums are added in the same order whatever PRE is, so the result is
-    the same."""
+    the same. AK: the accumulator's last dimension (4, or 1 where FMA sums the 4 words itself)."""
     tl.static_assert(1 <= PRE and PRE <= 6 and PRE <= NIT, "preloaded steps: 1 .. min(6, loop steps)")
     if PRE == 1:
         nxt = LOAD(wp, s, a, k, D_STRIDE)
         pdl.wait(GDC)
         if REL:
             pdl.started(GDC)
-        acc = tl.zeros([BR, SBC, NA, 4], tl.float32)
+        acc = tl.zeros([BR, SBC, NA, AK], tl.float32)
         for it in tl.range(0, NIT):
             cur = nxt
             nxt = LOAD(wp, tl.minimum(it + 1, NIT - 1) * SBC + s, a, k, D_STRIDE)
@@ -331,7 +434,7 @@ def _k_loop(wp, xp, s, a, k, base, D_STRIDE, NIT: tl.constexpr, SBC: tl.constexp
         pdl.wait(GDC)
         if REL:
             pdl.started(GDC)
-        acc = tl.zeros([BR, SBC, NA, 4], tl.float32)
+        acc = tl.zeros([BR, SBC, NA, AK], tl.float32)
         if PRE < NIT:  # the next step's words go out before the preloaded steps' arithmetic
             nxt = LOAD(wp, PRE * SBC + s, a, k, D_STRIDE)
         acc = FMA(acc, c0, xp, 0, s, a, k, base, ASM, XA)
@@ -365,7 +468,8 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
                SBC: tl.constexpr, BR: tl.constexpr, GLU: tl.constexpr,
                HAS_IDS: tl.constexpr, ASM: tl.constexpr, SPLIT_SUM: tl.constexpr, SPLIT: tl.constexpr = 1,
                SLOT_SUM: tl.constexpr = 0, IDS_EARLY: tl.constexpr = False, RELEASE: tl.constexpr = 0,
-               PRE: tl.constexpr = 1, XW: tl.constexpr = False, GDC: tl.constexpr = False):
+               PRE: tl.constexpr = 1, XW: tl.constexpr = False, XQ: tl.constexpr = False,
+               GDC: tl.constexpr = False):
     """out[slot, rows] = W[slot's matrix][rows] . x[slot], or with GLU act(G . x) * (U . x), for one token.
 
     Program (i, slot, s): BR rows of the matrix of `slot` (expert ids[slot] when HAS_IDS), or with GLU BR / 2 rows
@@ -394,6 +498,7 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
         pdl.started(GDC)
     REL: tl.constexpr = RELEASE == 1 and (IDS_EARLY or not HAS_IDS)  # started by the K loop's helper, at its wait
     XA: tl.constexpr = ASM and XW
+    tl.static_assert(not XQ or KIND != "Q6_K_R", "Q8 activations: no Q6_K_R K loop")
     pid = tl.program_id(0)
     slot = tl.program_id(1).to(tl.int64)
     part = tl.program_id(2)
@@ -412,16 +517,20 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
         rp = g_ptr + mat * g_slot_stride + rows_c * g_row_stride
     NC: tl.constexpr = NCH // SPLIT
     rp = tl.multiple_of(rp + part * (NC * CHUNK_BYTES), 16)
-    xp = (x_ptr + slot * x_slot_stride + part * (NC * CHUNK_ELEMS) + r * X_ROW_STRIDE)[:, None, None, None]
+    if XQ:  # Q8 activations (`Q8X_UNIT`): int32 words of units of 128 values
+        xp = (x_ptr + slot * x_slot_stride + part * (NC * CHUNK_ELEMS // 128 * 160) + r * X_ROW_STRIDE)
+        xp = xp.to(tl.pointer_type(tl.int32))[:, None, None, None]
+    else:
+        xp = (x_ptr + slot * x_slot_stride + part * (NC * CHUNK_ELEMS) + r * X_ROW_STRIDE)[:, None, None, None]
     if KIND == "Q4_K_R" or KIND == "Q6_K_R":
         res = _super_block_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, NC, SBC, BR, ASM,
-                                GDC and (IDS_EARLY or not HAS_IDS), KIND == "Q6_K_R", REL, XA, PRE)
+                                GDC and (IDS_EARLY or not HAS_IDS), KIND == "Q6_K_R", REL, XA, PRE, XQ)
     elif KIND == "Q8_0_R":
         res = _q8_0_r_rows(rp, xp, tl.full([BR, SBC, 8, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
-                           GDC and (IDS_EARLY or not HAS_IDS), REL, XA, PRE)
+                           GDC and (IDS_EARLY or not HAS_IDS), REL, XA, PRE, XQ)
     else:
         res = _q5_1_r_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
-                           GDC and (IDS_EARLY or not HAS_IDS), PRE, REL, XA)
+                           GDC and (IDS_EARLY or not HAS_IDS), PRE, REL, XA, XQ)
     if RELEASE == 0:
         pdl.started(GDC)
     last = 1
@@ -444,6 +553,13 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
     else:
         _store(optr, res, pid * BR + r, N * last)
 
+
+Q8X_TYPES = ("Q4_K_R", "Q8_0_R", "Q5_1_R")
+"""The types with a K loop for Q8 activations (`XQ`)."""
+
+Q8X_UNIT = (128, 160)
+"""(values, bytes) of a unit of Q8 activations as the kernel reads them (`strata.kernels.gemv_q8x.quantize`): the
+128 int8 values of four runs of 32, each run's bytes in its consumer's order, then each run's (d, s) as fp32."""
 
 CHUNK = {"Q4_K_R": (256, 144), "Q8_0_R": (256, 272), "Q5_1_R": (128, 96), "Q6_K_R": (256, 224)}
 """(weights, bytes) of one loop chunk of each type: a super-block, or a group of 8 (Q8_0_R) or 4 (Q5_1_R)
@@ -538,12 +654,15 @@ def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None
            k: int, slots: int, w_slot_stride: int, x_slot_stride: int, out_slot_stride: int,
            up: torch.Tensor | None, up_slot_stride: int, shape: tuple[int, int, int, int], split_sum,
            part: torch.Tensor, cnt: torch.Tensor, slot_weights: torch.Tensor | None, gdc: dict,
-           ids_early: bool = False) -> None:
+           ids_early: bool = False, q8x: bool = False) -> None:
     """One launch over `slots` matrices (by `ids` when given) of n rows of k weights, in `shape`
     (`launch_shape`); `up` makes it the GLU (w is then the gate); `slot_weights` sums the slots into out's one row.
     Strides in elements of each tensor (bytes for the weights). The caller (`gemv._launch`) checked `covers`
     and gives the split-K scratch (`part`, `cnt`: tickets) and `gemv._split_sum`; `ids_early`: the ids are
-    settled (`_rr_kernel`'s IDS_EARLY)."""
+    settled (`_rr_kernel`'s IDS_EARLY); `q8x`: x holds Q8 activations (`strata.kernels.gemv_q8x`, strides in bytes
+    of its units), which `Q8X_TYPES` take."""
+    if q8x and kind not in Q8X_TYPES:
+        raise ValueError(f"{kind}: no GEMV with Q8 activations (those are {', '.join(Q8X_TYPES)})")
     br, sbc, warps, split = shape
     glu = up is not None
     u = up if glu else w
@@ -556,5 +675,5 @@ def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None
         GLU=glu, HAS_IDS=ids is not None, ASM=x.device.type == "cuda", SPLIT_SUM=split_sum, SPLIT=split,
         SLOT_SUM=slots if slot_weights is not None else 0, IDS_EARLY=ids_early and ids is not None,
         RELEASE=RELEASE["plain" if ids is None else "settled-ids" if ids_early else "ids"],
-        PRE=preload_steps(kind, k // CHUNK[kind][0] // (split * sbc)), XW=WIDEN_X_ASM,
+        PRE=preload_steps(kind, k // CHUNK[kind][0] // (split * sbc)), XW=WIDEN_X_ASM, XQ=q8x,
         num_warps=warps, **gdc)

@@ -1,0 +1,191 @@
+"""GEMVs with Q8 activations: x rounded to int8 runs (`strata.model.act_quant`), the dot products in integers.
+
+The row-register GEMVs (`gemv_rr`) spend ~5-6 SASS instructions per weight (a byte permute into a float, the
+dequantizing FMA, x's widening, the product's FMA), so a decode GEMV is bound by instruction issue long before the
+memory. With x rounded to int8 in runs of 32 (the rounding llama.cpp's GPU matmuls apply), the stored weights'
+integers multiply x's in `dp4a` (four byte products and their sum per instruction), and the scales are applied
+once per run: Q4_K's x_d S (q . qx) - M s, Q5_1's x_d d (q . qx) + m s, Q8_0_R's (stored q + 128)
+dw (x_d (u . qx) - 128 s), s = x_d sum(qx) being the run's sum. The weights are read as stored; only x changes.
+
+`quantize` writes x as the kernels read it: units of 128 values (`gemv_rr.Q8X_UNIT`), 128 int8 then four (d, s)
+fp32 pairs, each run's bytes ordered as its consumer's words hold their weights (byte b of word w multiplies
+weight 8b + w for Q4_K_R and Q8_0_R, weight 4b + w and 16 + 4b + w for Q5_1_R: `ORDER`), so each 4-byte word of
+weights meets one 4-byte word of x. Everything else (launch shapes, K split, expert ids, the GLU and the slot sum,
+PDL) is the row-register kernel's, which takes these units in place of float x (`gemv_rr._rr_kernel`'s XQ).
+
+Numerics: the integer dot products are exact, so a launch computes the stored weights times `round_q8(x)` up to
+fp32 summation order, which the tests check against float64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from strata.kernels import gemv as G
+from strata.kernels import gemv_rr, pdl
+from strata.model.act_quant import RUN
+
+ORDER = {"Q4_K_R": 8, "Q8_0_R": 8, "Q5_1_R": 4}
+"""Per type, the span S of a word's bytes in its run: byte b of word w holds value S b + w (S = 8), or for S = 4
+value 4 b + w of the run's first 16 (words 0-3) and 16 + 4 b + (w - 4) of its last 16 (words 4-7)."""
+
+UNIT_VALUES, UNIT_BYTES = gemv_rr.Q8X_UNIT
+RUNS_PER_PROGRAM = 16
+
+
+def row_bytes(k: int) -> int:
+    """Bytes of one row of Q8 activations of k values (k a multiple of 128)."""
+    if k % UNIT_VALUES:
+        raise ValueError(f"Q8 activations: K = {k} is not a multiple of {UNIT_VALUES}")
+    return k // UNIT_VALUES * UNIT_BYTES
+
+
+def source_index(span: int) -> torch.Tensor:
+    """[32] int64: the run value each byte of a quantized run holds, for words of span `span` (`ORDER`)."""
+    p = torch.arange(RUN)
+    w, b = p // 4, p % 4
+    return 8 * b + w if span == 8 else (w // 4) * 16 + 4 * b + w % 4
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, RUNS, x_slot_stride, q_slot_stride, SPAN: tl.constexpr, RB: tl.constexpr,
+                     GDC: tl.constexpr = False):
+    """RB runs of one row of x (program (i, row)) rounded to Q8 (`act_quant.quantize_q8`, the same divisions) and
+    stored as units (`gemv_rr.Q8X_UNIT`), each run's bytes in the order of SPAN (`ORDER`)."""
+    pdl.started(GDC)
+    pdl.wait(GDC)
+    slot = tl.program_id(1).to(tl.int64)
+    run = tl.program_id(0) * RB + tl.arange(0, RB)[:, None]
+    p = tl.arange(0, 32)[None, :]
+    w = p // 4
+    b = p % 4
+    if SPAN == 8:
+        src = 8 * b + w
+    else:
+        src = (w // 4) * 16 + 4 * b + w % 4
+    ok = run < RUNS
+    v = tl.load(x_ptr + slot * x_slot_stride + run * 32 + src, mask=ok, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(v), axis=1)[:, None]
+    d = tl.div_rn(amax, tl.full([RB, 1], 127.0, tl.float32))
+    pos = d > 0
+    r = tl.where(pos, tl.div_rn(v, tl.where(pos, d, 1.0) + tl.zeros([RB, 32], tl.float32)), 0.0)
+    q = (r + tl.where(r < 0, -0.5, 0.5)).to(tl.int32)
+    q = tl.minimum(tl.maximum(q, -127), 127)
+    s = d * tl.sum(q, axis=1)[:, None].to(tl.float32)
+    base = q_ptr + slot * q_slot_stride + (run // 4) * 160
+    tl.store(base + (run % 4) * 32 + p, q.to(tl.int8), mask=ok)
+    dp = (base + 128 + (run % 4) * 8).to(tl.pointer_type(tl.float32))
+    tl.store(dp, d, mask=ok)
+    tl.store(dp + 1, s, mask=ok)
+
+
+def quantize(x: torch.Tensor, kind: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x (rows, K) float, rows contiguous, as Q8 activations for weights of `kind` (a `gemv_rr.Q8X_TYPES` type):
+    (rows, `row_bytes(K)`) int8, in one launch (PDL: it waits for the kernel before, which may write x)."""
+    if kind not in ORDER:
+        raise ValueError(f"{kind}: no GEMV with Q8 activations (those are {', '.join(ORDER)})")
+    if x.dim() != 2 or x.stride(-1) != 1 or not x.dtype.is_floating_point:
+        raise ValueError(f"Q8 activations: x must be a 2-D float tensor with contiguous rows, got "
+                         f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
+    rows, k = x.shape
+    shape = (rows, row_bytes(k))
+    if out is None:
+        out = torch.empty(shape, dtype=torch.int8, device=x.device)
+    elif tuple(out.shape) != shape or out.dtype != torch.int8 or out.stride(-1) != 1 or out.device != x.device:
+        raise ValueError(f"Q8 activations: out must be {shape} int8 with contiguous rows on {x.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    runs = k // RUN
+    if rows and runs:
+        _quantize_kernel[(triton.cdiv(runs, RUNS_PER_PROGRAM), rows)](
+            x, out, runs, x.stride(0), out.stride(0), SPAN=ORDER[kind], RB=RUNS_PER_PROGRAM, num_warps=4,
+            **pdl.launch(x.device))
+    return out
+
+
+def unpack(xq: torch.Tensor, kind: str, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [rows, k] int8 in value order, d, s [rows, k / 32] fp32) of `quantize`'s output: the layout, read back."""
+    rows = xq.shape[0]
+    units = xq.view(rows, k // UNIT_VALUES, UNIT_BYTES)
+    runs = units[..., :UNIT_VALUES].reshape(rows, k // RUN, RUN)
+    q = torch.empty_like(runs)
+    q[..., source_index(ORDER[kind])] = runs
+    ds = units[..., UNIT_VALUES:].contiguous().view(torch.float32).reshape(rows, k // RUN, 2)
+    return q.reshape(rows, k), ds[..., 0], ds[..., 1]
+
+
+def _check(xq: torch.Tensor, kind: str, k: int, w: torch.Tensor, rows: tuple[int, ...]) -> None:
+    if kind not in ORDER:
+        raise ValueError(f"{kind}: no GEMV with Q8 activations (those are {', '.join(ORDER)})")
+    if xq.dtype != torch.int8 or xq.dim() != 2 or xq.shape[0] not in rows or xq.shape[1] != row_bytes(k) \
+            or xq.stride(-1) != 1 or xq.device != w.device:
+        raise ValueError(f"Q8 activations: expected int8 ({' or '.join(map(str, rows))}, {row_bytes(k)}) with "
+                         f"contiguous rows on {w.device} (`quantize`), got {tuple(xq.shape)} {xq.dtype} on "
+                         f"{xq.device}")
+
+
+def _run(kind: str, xq: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None, out: torch.Tensor, n: int, k: int,
+         slots: int, w_slot_stride: int, x_slot_stride: int, out_slot_stride: int, up: torch.Tensor | None = None,
+         up_slot_stride: int = 0, split_k: int | None = None, slot_weights: torch.Tensor | None = None,
+         ids_settled: bool = False) -> None:
+    if not gemv_rr.covers(kind, 1, w, up, (w_slot_stride, up_slot_stride)):
+        raise ValueError(f"{kind}: Q8 activations need uint8 rows starting 16-byte aligned")
+    if n == 0 or slots == 0:
+        return
+    t = G.gemv_type(kind)
+    if not G._launch_rr(t, xq, w, ids, out, n, k, slots, w_slot_stride, x_slot_stride, out_slot_stride, up,
+                        up_slot_stride, split_k, slot_weights, ids_settled=ids_settled, q8x=True):
+        raise RuntimeError("Q8 activations: no split-K ticket counters left for the slot sum on this stream")
+
+
+def gemv(xq: torch.Tensor, w_data: torch.Tensor, kind: str, K: int, out: torch.Tensor | None = None,
+         out_dtype: torch.dtype = torch.float32, *, split_k: int | None = None) -> torch.Tensor:
+    """y = round_q8(x) W^T for one token (`G.gemv` with xq = `quantize(x, kind)` of shape (1, ...))."""
+    w = G._weights(G.gemv_type(kind), w_data, K, 2)
+    _check(xq, kind, K, w, (1,))
+    out = G._out(out, (1, w.shape[0]), w.device, out_dtype)
+    _run(kind, xq, w, None, out, w.shape[0], K, 1, 0, 0, 0, split_k=split_k)
+    return out
+
+
+def gemv_glu(xq: torch.Tensor, gate_data: torch.Tensor, up_data: torch.Tensor, kind: str, K: int,
+             out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32, *,
+             split_k: int | None = None) -> torch.Tensor:
+    """silu(round_q8(x) G^T) * (round_q8(x) U^T) for one token, rounded as `G.gemv_glu` rounds."""
+    g, u = G._glu_weights(G.gemv_type(kind), gate_data, up_data, K, 2)
+    _check(xq, kind, K, g, (1,))
+    out = G._out(out, (1, g.shape[0]), g.device, out_dtype)
+    _run(kind, xq, g, None, out, g.shape[0], K, 1, 0, 0, 0, u, 0, split_k=split_k)
+    return out
+
+
+def gemv_experts_glu(xq: torch.Tensor, gate_data: torch.Tensor, up_data: torch.Tensor, expert_ids: torch.Tensor,
+                     kind: str, K: int, out: torch.Tensor | None = None,
+                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`G.gemv_experts_glu` with Q8 activations: xq has one row (every slot) or one per slot."""
+    g, u = G._glu_weights(G.gemv_type(kind), gate_data, up_data, K, 3)
+    k_sel = expert_ids.shape[0]
+    _check(xq, kind, K, g, (1, k_sel))
+    G._check_ids(expert_ids, g)
+    out = G._out(out, (k_sel, g.shape[1]), g.device, out_dtype)
+    _run(kind, xq, g, expert_ids, out, g.shape[1], K, k_sel, g.stride(0), xq.stride(0) if xq.shape[0] > 1 else 0,
+         out.stride(0), u, u.stride(0))
+    return out
+
+
+def gemv_experts_sum(xq: torch.Tensor, w_data: torch.Tensor, expert_ids: torch.Tensor, slot_weights: torch.Tensor,
+                     kind: str, K: int, out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32, *,
+                     ids_settled: bool = False) -> torch.Tensor:
+    """`G.gemv_experts_sum` with Q8 activations (one row of xq per slot, or one for all)."""
+    w = G._weights(G.gemv_type(kind), w_data, K, 3)
+    k_sel = expert_ids.shape[0]
+    _check(xq, kind, K, w, (1, k_sel))
+    G._check_ids(expert_ids, w)
+    if tuple(slot_weights.shape) != (k_sel,) or slot_weights.device != w.device or not slot_weights.is_contiguous():
+        raise ValueError(f"slot_weights: expected contiguous ({k_sel},) on {w.device}, got "
+                         f"{tuple(slot_weights.shape)} on {slot_weights.device}")
+    out = G._out(out, (1, w.shape[1]), w.device, out_dtype)
+    _run(kind, xq, w, expert_ids, out, w.shape[1], K, k_sel, w.stride(0), xq.stride(0) if xq.shape[0] > 1 else 0,
+         0, slot_weights=slot_weights, ids_settled=ids_settled)
+    return out
