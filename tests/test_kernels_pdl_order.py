@@ -38,10 +38,11 @@ def _ptx(fn, ptrs: dict[str, str], ints: dict, consts: dict, warps: int) -> str:
     return compile_for(fn, ptrs, ints, consts, warps).asm["ptx"]
 
 
-def _rr_ptx(kind: str, has_ids: bool, ids_early: bool, release: int, x: str = "bf16", widen: bool = False) -> str:
+def _rr_ptx(kind: str, has_ids: bool, ids_early: bool, release: int, x: str = "bf16", widen: bool = False,
+            q8x: bool = False) -> str:
     k = 2560 if kind != "Q5_1_R" else 640
     return compile_rr(kind, 2560, k, x=x, has_ids=has_ids, ids_early=ids_early, release=release, widen=widen,
-                      gdc=True)[0].asm["ptx"]
+                      gdc=True, q8x=q8x)[0].asm["ptx"]
 
 
 def _qsa_store_ptx(late: bool) -> str:
@@ -63,6 +64,10 @@ def _cases() -> dict:
             cases[f"plain-{kind}-{release}"] = lambda r=release, k=kind: _rr_ptx(k, False, False, r)
     for settled in (True, False):
         cases[f"ids-Q5_1_R-settled-{settled}"] = lambda s=settled: _rr_ptx("Q5_1_R", True, s, RR.RELEASE["settled-ids"])
+    for kind in ("Q4_K_R", "Q8_0_R", "Q5_1_R"):
+        cases[f"q8x-{kind}"] = lambda k=kind: _rr_ptx(k, k == "Q5_1_R", k == "Q5_1_R",
+                                                      RR.RELEASE["settled-ids" if k == "Q5_1_R" else "plain"],
+                                                      widen=True, q8x=True)
     for late in (True, False):
         cases[f"qsa_store-late-{late}"] = lambda lt=late: _qsa_store_ptx(lt)
     for x, widen in (("bf16", True), ("bf16", False), ("fp32", True)):
@@ -158,3 +163,16 @@ def test_experts_gemm_multiplies_16_bit_tiles_on_the_tensor_cores(ptx, case):
 if __name__ == "__main__":  # the fixture's subprocess: compile every case into the folder given
     for name, compile_case in _cases().items():
         (Path(sys.argv[1]) / f"{name}.ptx").write_text(compile_case())
+
+
+@pytest.mark.parametrize("kind", ["Q4_K_R", "Q8_0_R", "Q5_1_R"])
+def test_rr_q8_activations_multiply_in_dp4a(ptx, kind):
+    """With Q8 activations (`gemv_q8x`) the K loop's products are `dp4a` (unsigned weight bytes for Q8_0_R's
+    q + 128, signed for the nibble types), x is not widened, and the release points are the float loops'."""
+    code = ptx[f"q8x-{kind}"]
+    op = "dp4a.u32.s32" if kind == "Q8_0_R" else "dp4a.s32.s32"
+    other = "dp4a.s32.s32" if kind == "Q8_0_R" else "dp4a.u32.s32"
+    assert code.count(op) >= 8 and other not in code
+    assert "0xFFFF0000;" not in code
+    wait, launch = _order(code)
+    assert wait < launch
