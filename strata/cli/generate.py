@@ -109,7 +109,7 @@ def load_llm(args: argparse.Namespace) -> Any:
     from strata.api import LLM
 
     return LLM(args.model, args.dtype, args.device, tokenizer=args.tokenizer, chat_template=args.chat_template,
-               progress=show_progress(args), context=args.context)
+               progress=show_progress(args), context=args.context, activations=args.activations)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

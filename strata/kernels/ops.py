@@ -27,6 +27,7 @@ rows as `DenseTensor.tensor` or as a uint8 `data` tensor of shape (*shape[:-1], 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -35,9 +36,11 @@ import torch.nn.functional as F
 from strata.kernels.experts_gemm import expert_tiles, experts_gemm, experts_gemm_glu, tile_rows
 from strata.kernels.gemv import (GEMV_TYPE_NAMES, MAX_TOKENS, OUT_DTYPES, dequantize_rows, gemv, gemv_experts,
                                  gemv_experts_glu, gemv_experts_sum, gemv_glu)
+from strata.kernels import gemv_q8x
 from strata.kernels.moe import slot_sum
+from strata.model.act_quant import DENSE_KINDS, round_q8
 from strata.model.experts import experts_gather, experts_ref
-from strata.model.ops import Ops, embed_ref, linear_ref, linears_ref, mlp_ref
+from strata.model.ops import Ops, embed_ref, linear_q8_ref, linear_ref, linears_ref, mlp_ref
 from strata.model.ple import decode_rows_ref
 from strata.weights.tensor import DenseTensor, StoredTensor, raw_rows
 
@@ -76,11 +79,28 @@ def _as_x(x: torch.Tensor, k: int) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+def _q8_kernel(x: torch.Tensor, kind: str) -> bool:
+    """Whether one row of x meets weights of `kind` in a Q8-activation GEMV (`gemv_q8x`)."""
+    return kind in gemv_q8x.ORDER and x.numel() == x.shape[-1] and x.shape[-1] % 128 == 0 and x.dtype in OUT_DTYPES
+
+
+def _rounded(x: torch.Tensor, kind: str, q8: bool) -> torch.Tensor:
+    """x as the product with weights of `kind` takes it: rounded to Q8 activations (in x's dtype, as
+    `linear_q8_ref` rounds) in the q8 mode when the weights are block-quantized, else x."""
+    return round_q8(x).to(x.dtype) if q8 and kind not in DENSE_KINDS else x
+
+
 def linear_blocks(x: torch.Tensor, data: torch.Tensor, kind: str, bias: StoredTensor | None = None,
-                  ) -> torch.Tensor:
+                  q8: bool = False) -> torch.Tensor:
     """y = x W^T (+ b) by the GEMV from W's raw rows `data` of type `kind`; x (..., K) -> (..., N) in x's dtype.
-    No device check: the caller decides (the tests run it on the CPU under the Triton interpreter)."""
+    q8: Q8 activations (`strata.model.ops.with_activations`): one row by `gemv_q8x` where the type has its
+    kernel, else x rounded first. No device check: the caller decides (the tests run it on the CPU under the
+    Triton interpreter)."""
     k = x.shape[-1]
+    if q8 and bias is None and _q8_kernel(x, kind):
+        y = gemv_q8x.gemv(gemv_q8x.quantize(_as_x(x, k), kind), data, kind, k, out_dtype=x.dtype)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+    x = _rounded(x, kind, q8)
     if bias is None and x.dtype in OUT_DTYPES:  # rounded to x's dtype at the store: no cast launch
         y = gemv(_as_x(x, k), data, kind, k, out_dtype=x.dtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -90,16 +110,19 @@ def linear_blocks(x: torch.Tensor, data: torch.Tensor, kind: str, bias: StoredTe
     return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
-def linear_triton(x: torch.Tensor, w: StoredTensor, bias: StoredTensor | None = None) -> torch.Tensor:
+def linear_triton(x: torch.Tensor, w: StoredTensor, bias: StoredTensor | None = None, q8: bool = False,
+                  ) -> torch.Tensor:
     """`Ops.linear`: the GEMV from W's stored rows when it applies (see the module docstring); for more rows of
-    x, W dequantized on the device in one launch (`dense_on_device`) and one matmul; else `linear_ref`."""
+    x, W dequantized on the device in one launch (`dense_on_device`) and one matmul; else `linear_ref`. q8: with
+    Q8 activations (`linear_blocks`; else x rounded, or `linear_q8_ref`)."""
     raw = _gemv_ok(x, w, GEMV_MAX_ROWS)
     if raw is not None:
-        return linear_blocks(x, raw[0], raw[1], bias)
+        return linear_blocks(x, raw[0], raw[1], bias, q8)
     dense = dense_on_device(x, w)
     if dense is not None:
+        x = _rounded(x, w.kind, q8)
         return F.linear(x, dense, bias.dense(x.dtype, x.device) if bias is not None else None)
-    return linear_ref(x, w, bias)
+    return linear_q8_ref(x, w, bias) if q8 else linear_ref(x, w, bias)
 
 
 def dense_on_device(x: torch.Tensor, w: StoredTensor) -> torch.Tensor | None:
@@ -148,14 +171,14 @@ def adjacent_span(raws: Sequence[torch.Tensor]) -> torch.Tensor | None:
 
 
 def linears_triton(x: torch.Tensor, ws: Sequence[StoredTensor], biases: Sequence[StoredTensor | None],
-                   linear: Callable) -> list[torch.Tensor]:
+                   linear: Callable, q8: bool = False) -> list[torch.Tensor]:
     """`Ops.linears`: weights of one type stored back to back run as one GEMV (one launch, x read once), the
-    outputs returned as column slices; otherwise one `linear` each."""
+    outputs returned as column slices; otherwise one `linear` each. q8: see `linear_blocks`."""
     raws = [_gemv_ok(x, w, GEMV_MAX_ROWS) for w in ws]
     if len(ws) > 1 and all(r is not None and r[1] == raws[0][1] for r in raws):
         span = adjacent_span([r[0] for r in raws])
         if span is not None:
-            y = linear_blocks(x, span, raws[0][1])
+            y = linear_blocks(x, span, raws[0][1], q8=q8)
             outs, col = [], 0
             for w, b in zip(ws, biases, strict=True):
                 part = y[..., col:col + w.shape[0]]
@@ -168,25 +191,29 @@ def linears_triton(x: torch.Tensor, ws: Sequence[StoredTensor], biases: Sequence
 
 
 def mlp_triton(x: torch.Tensor, gate: StoredTensor, up: StoredTensor, down: StoredTensor,
-               linear: Callable) -> torch.Tensor:
+               linear: Callable, q8: bool = False) -> torch.Tensor:
     """`Ops.mlp`: gate, up and SiLU in one GEMV launch (`gemv_glu`) when both are GEMV-readable and of one type,
-    then `linear` for down; else the reference composition."""
+    then `linear` for down; else the reference composition. q8: see `linear_blocks`."""
     g, u = _gemv_ok(x, gate, MAX_TOKENS), _gemv_ok(x, up, MAX_TOKENS)
     if g is not None and u is not None and g[1] == u[1] and x.dtype in OUT_DTYPES:
         k = x.shape[-1]
-        h = gemv_glu(_as_x(x, k), g[0], u[0], g[1], k, out_dtype=x.dtype)
+        if q8 and _q8_kernel(x, g[1]):
+            h = gemv_q8x.gemv_glu(gemv_q8x.quantize(_as_x(x, k), g[1]), g[0], u[0], g[1], k, out_dtype=x.dtype)
+        else:
+            h = gemv_glu(_as_x(_rounded(x, g[1], q8), k), g[0], u[0], g[1], k, out_dtype=x.dtype)
         return linear(h.reshape(*x.shape[:-1], h.shape[-1]), down)
     return mlp_ref(x, gate, up, down, linear)
 
 
 def experts_blocks(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
                    gate: tuple[torch.Tensor, str], up: tuple[torch.Tensor, str], down: tuple[torch.Tensor, str],
-                   ) -> torch.Tensor:
+                   q8: bool = False) -> torch.Tensor:
     """Σ_j top_w[:, j] · down_e(silu(gate_e a) ⊙ up_e a), e = top_i[:, j], from raw expert stacks (data, kind):
     gate/up (E, I, ·) over H, down (E, H, ·) over I. Slot s = l*k + j runs expert top_i[l, j] on token l; the
     three GEMVs cover all slots in one launch each; from GEMM_MIN_TOKENS tokens the slots are sorted by expert
-    and the gate/up and down products run as grouped matrix products (`experts_gemm`). No device check (see
-    `linear_blocks`)."""
+    and the gate/up and down products run as grouped matrix products (`experts_gemm`). q8: Q8 activations for
+    both products (`linear_blocks`): one token by `gemv_q8x` where the types have its kernels, with a quantize
+    launch before each. No device check (see `linear_blocks`)."""
     n_tok, k = top_i.shape
     h_dim = a.shape[-1]
     i_dim = gate[0].shape[1]
@@ -195,26 +222,33 @@ def experts_blocks(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
         ids = ids.to(torch.int64)
     ids = ids.contiguous()
     x = _as_x(a, h_dim)
+    if (q8 and n_tok == 1 and gate[1] == up[1] and _q8_kernel(x, gate[1]) and down[1] in gemv_q8x.ORDER
+            and i_dim % 128 == 0):
+        h = gemv_q8x.gemv_experts_glu(gemv_q8x.quantize(x, gate[1]), gate[0], up[0], ids, gate[1], h_dim,
+                                      out_dtype=a.dtype)
+        return gemv_q8x.gemv_experts_sum(gemv_q8x.quantize(h, down[1]), down[0], ids, top_w.reshape(-1).contiguous(),
+                                         down[1], i_dim, out_dtype=a.dtype, ids_settled=SETTLED_IDS)
+    xg, xu = _rounded(x, gate[1], q8), _rounded(x, up[1], q8)
     # slots sorted by expert: the GEMM's tiles are runs of one expert's slots; the GEMV's programs of one expert
     # run back to back and find its weights in L2
     order = ids.argsort(stable=True) if n_tok > 1 else None
     if n_tok >= GEMM_MIN_TOKENS and a.dtype in OUT_DTYPES:
-        return _experts_grouped(x, ids[order], order, top_w.reshape(n_tok, k), gate, up, down, a.dtype)
+        return _experts_grouped(xg, ids[order], order, top_w.reshape(n_tok, k), gate, up, down, a.dtype, xu, q8)
     if order is not None:
         ids = ids[order].contiguous()
-        x = x[order // k]
+        xg, xu = xg[order // k], xu[order // k]
     if gate[1] == up[1] and a.dtype in OUT_DTYPES:
         # gate/up/SiLU in one launch; down over every slot in parallel (fp32), then the weighted sum over each
         # token's slots (a program looping over the slots itself serialises k dependent GEMVs: 8x slower)
-        h = gemv_experts_glu(x, gate[0], up[0], ids, gate[1], h_dim, out_dtype=a.dtype)
+        h = _rounded(gemv_experts_glu(xg, gate[0], up[0], ids, gate[1], h_dim, out_dtype=a.dtype), down[1], q8)
         if n_tok == 1:  # one token (decode): the down projections and their weighted sum in one launch
             return gemv_experts_sum(h, down[0], ids, top_w.reshape(-1).contiguous(), down[1], i_dim,
                                     out_dtype=a.dtype, ids_settled=SETTLED_IDS)
         y = gemv_experts(h, down[0], ids, down[1], i_dim)
     else:
-        g = gemv_experts(x, gate[0], ids, gate[1], h_dim)
-        u = gemv_experts(x, up[0], ids, up[1], h_dim)
-        y = gemv_experts(F.silu(g) * u, down[0], ids, down[1], i_dim)
+        g = gemv_experts(xg, gate[0], ids, gate[1], h_dim)
+        u = gemv_experts(xu, up[0], ids, up[1], h_dim)
+        y = gemv_experts(_rounded(F.silu(g) * u, down[1], q8), down[0], ids, down[1], i_dim)
     if order is not None:
         y = torch.empty_like(y).index_copy_(0, order, y)
     return slot_sum(y, top_w.reshape(n_tok, k), a.dtype)
@@ -222,8 +256,9 @@ def experts_blocks(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
 
 def _experts_grouped(x: torch.Tensor, ids_sorted: torch.Tensor, order: torch.Tensor, top_w: torch.Tensor,
                      gate: tuple[torch.Tensor, str], up: tuple[torch.Tensor, str], down: tuple[torch.Tensor, str],
-                     dtype: torch.dtype) -> torch.Tensor:
-    """`experts_blocks` by the grouped GEMM: x (tokens, H), the slots' expert ids sorted and the sorting order."""
+                     dtype: torch.dtype, x_up: torch.Tensor | None = None, q8: bool = False) -> torch.Tensor:
+    """`experts_blocks` by the grouped GEMM: x (tokens, H) (x_up: the up products' x, where it differs), the
+    slots' expert ids sorted and the sorting order; q8: the down products' input rounded (`_rounded`)."""
     n_tok, k = top_w.shape
     n_exp = gate[0].shape[0]
     bm = tile_rows(ids_sorted.numel(), n_exp)
@@ -231,34 +266,37 @@ def _experts_grouped(x: torch.Tensor, ids_sorted: torch.Tensor, order: torch.Ten
     if gate[1] == up[1]:
         h = experts_gemm_glu(x, gate[0], up[0], tiles, order // k, gate[1], x.shape[1], bm, dtype)
     else:
-        h = _glu_apart(x, gate, up, tiles, order // k, x.shape[1], bm, dtype)
+        h = _glu_apart(x, gate, up, tiles, order // k, x.shape[1], bm, dtype, x_up)
+    h = _rounded(h, down[1], q8)
     y = experts_gemm(h, down[0], tiles, order, down[1], h.shape[1], bm)
     return slot_sum(y, top_w, dtype)
 
 
 def _glu_apart(x: torch.Tensor, gate: tuple[torch.Tensor, str], up: tuple[torch.Tensor, str], tiles: torch.Tensor,
-               x_rows: torch.Tensor, h_dim: int, bm: int, dtype: torch.dtype) -> torch.Tensor:
+               x_rows: torch.Tensor, h_dim: int, bm: int, dtype: torch.dtype, x_up: torch.Tensor | None = None,
+               ) -> torch.Tensor:
     """silu(gate) * up of gate and up stacks of different types: each product by `experts_gemm` (sorted slot
-    order), rounded as the model rounds them."""
+    order; x_up: the up products' x where it differs from x), rounded as the model rounds them."""
     rows = torch.arange(x_rows.shape[0], device=x.device)
     xs = x.index_select(0, x_rows)
+    xus = xs if x_up is None else x_up.index_select(0, x_rows)
     g = experts_gemm(xs, gate[0], tiles, rows, gate[1], h_dim, bm).to(dtype)
-    u = experts_gemm(xs, up[0], tiles, rows, up[1], h_dim, bm).to(dtype)
+    u = experts_gemm(xus, up[0], tiles, rows, up[1], h_dim, bm).to(dtype)
     return F.silu(g) * u
 
 
 def experts_triton(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: StoredTensor,
-                   up: StoredTensor, down: StoredTensor, linear) -> torch.Tensor:
+                   up: StoredTensor, down: StoredTensor, linear, q8: bool = False) -> torch.Tensor:
     """`Ops.experts`: the kernels of `experts_blocks` when a is on a CUDA device, the three stacks' raw bytes live
     there, their types have kernels and the GEMM takes the call or there are at most MAX_EXPERT_SLOTS slots; else
-    the reference."""
+    the reference (which rounds through `linear` in the q8 mode, `experts_gather` by its own `q8`)."""
     if (_on_gpu(a) and top_i.dim() == 2 and top_i.numel() > 0
             and (top_i.shape[0] >= GEMM_MIN_TOKENS or top_i.numel() <= MAX_EXPERT_SLOTS)):
         raws = [stored_rows(t) if len(t.shape) == 3 else None for t in (gate, up, down)]
         if all(r is not None and r[0].device == a.device for r in raws):
-            return experts_blocks(a, top_i, top_w, raws[0], raws[1], raws[2])
+            return experts_blocks(a, top_i, top_w, raws[0], raws[1], raws[2], q8)
     if a.is_cuda and torch.cuda.is_current_stream_capturing():
-        return experts_gather(a, top_i, top_w, gate, up, down, linear)
+        return experts_gather(a, top_i, top_w, gate, up, down, linear, q8=q8)
     return experts_ref(a, top_i, top_w, gate, up, down, linear)
 
 
@@ -284,8 +322,14 @@ def embed_triton(ids: torch.Tensor, table: StoredTensor, dtype: torch.dtype) -> 
     return embed_ref(ids, table, dtype)
 
 
-def triton_ops(base: Ops | None = None) -> Ops:
+def triton_ops(base: Ops | None = None, q8: bool = False) -> Ops:
     """`base` (default `Ops()`) with `linear`, `linears`, `mlp`, `experts`, `decode_rows` and `embed` run by the
-    Triton GEMV kernels; other entries unchanged."""
+    Triton GEMV kernels; other entries unchanged. q8: the entries of the Q8-activation mode
+    (`strata.model.ops.with_activations`)."""
+    if q8:
+        return dataclasses.replace(
+            base or Ops(), linear=functools.partial(linear_triton, q8=True),
+            linears=functools.partial(linears_triton, q8=True), mlp=functools.partial(mlp_triton, q8=True),
+            experts=functools.partial(experts_triton, q8=True), decode_rows=decode_rows_triton, embed=embed_triton)
     return dataclasses.replace(base or Ops(), linear=linear_triton, linears=linears_triton, mlp=mlp_triton,
                                experts=experts_triton, decode_rows=decode_rows_triton, embed=embed_triton)

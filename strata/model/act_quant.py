@@ -22,6 +22,9 @@ import torch
 RUN = 32
 """Values per scale."""
 
+DENSE_KINDS = frozenset({"F32", "F16", "BF16"})
+"""Storage types whose products keep float activations in every mode (the router, the hyper-connections)."""
+
 
 def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q int8 [..., K], d fp32 [..., K / 32], s fp32 [..., K / 32]) of x [..., K] (K a multiple of 32)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from strata.model.act_quant import DENSE_KINDS, round_q8
 from strata.weights.tensor import StoredTensor
 
 
@@ -22,14 +23,19 @@ def experts_ref(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate:
 
 
 def experts_gather(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: StoredTensor,
-                   up: StoredTensor, down: StoredTensor, linear) -> torch.Tensor:
+                   up: StoredTensor, down: StoredTensor, linear, q8: bool = False) -> torch.Tensor:
     """The same sum with expert ids kept on the device: gathers the selected experts' dense weights per slot.
-    Shapes depend only on (L, k), so it can be captured; used as the capturable twin of the expert kernel."""
+    Shapes depend only on (L, k), so it can be captured; used as the capturable twin of the expert kernel. q8:
+    each product's input rounded as `strata.model.ops.linear_q8_ref` rounds it."""
     dt = a.dtype
     g, u, d = gate.dense(dt, a.device), up.dense(dt, a.device), down.dense(dt, a.device)
+
+    def rounded(x: torch.Tensor, w: StoredTensor) -> torch.Tensor:
+        return round_q8(x).to(dt) if q8 and w.kind not in DENSE_KINDS else x
+    ag, au = rounded(a, gate), rounded(a, up)
     out = torch.zeros_like(a)
     for j in range(top_i.shape[1]):
         e = top_i[:, j]
-        h = F.silu(torch.einsum("lih,lh->li", g[e], a)) * torch.einsum("lih,lh->li", u[e], a)
-        out = out + (torch.einsum("lhi,li->lh", d[e], h) * top_w[:, j, None]).to(dt)
+        h = F.silu(torch.einsum("lih,lh->li", g[e], ag)) * torch.einsum("lih,lh->li", u[e], au)
+        out = out + (torch.einsum("lhi,li->lh", d[e], rounded(h, down)) * top_w[:, j, None]).to(dt)
     return out

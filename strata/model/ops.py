@@ -8,11 +8,13 @@ dequantizing stored weights on use.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from strata.model.act_quant import DENSE_KINDS, round_q8
 from strata.model.attention import attend_ref
 from strata.model.experts import experts_ref
 from strata.model.gdn import gdn_core_ref
@@ -27,6 +29,14 @@ def linear_ref(x: torch.Tensor, w: StoredTensor, bias: StoredTensor | None = Non
     """y = x W^T (+ b), in x's dtype."""
     b = bias.dense(x.dtype, x.device) if bias is not None else None
     return F.linear(x, w.dense(x.dtype, x.device), b)
+
+
+def linear_q8_ref(x: torch.Tensor, w: StoredTensor, bias: StoredTensor | None = None) -> torch.Tensor:
+    """`linear_ref` with Q8 activations: x rounded by `act_quant.round_q8` (then to x's dtype) when W is
+    block-quantized, as llama.cpp's GPU matmuls round theirs; dense weights keep x as it is."""
+    if w.kind in DENSE_KINDS:
+        return linear_ref(x, w, bias)
+    return linear_ref(round_q8(x).to(x.dtype), w, bias)
 
 
 def linears_ref(x: torch.Tensor, ws: Sequence[StoredTensor], biases: Sequence[StoredTensor | None],
@@ -81,3 +91,18 @@ class Ops:
     # independent computations of one layer: (x, [fn, ...]) -> [fn() for each]; a backend may run them side by
     # side (x gives the device)
     branches: Callable = branches_ref
+
+
+ACTIVATIONS = ("float", "q8")
+"""How GEMV inputs meet block-quantized weights: "float" (exact products of the stored weights, the default) or
+"q8" (rounded to Q8 activations first, `act_quant`: integer dot products on the GPU)."""
+
+
+def with_activations(ops: Ops, activations: str) -> Ops:
+    """`ops` whose `linear` rounds activations as `activations` says (`ACTIVATIONS`); every product with a stored
+    weight goes through `linear` (the experts, MLP and grouped projections take it as an argument), so swapping
+    it defines the mode for the reference. Fast entries of the mode are installed by the backend
+    (`strata.runtime.placement.fast_ops`)."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+    return dataclasses.replace(ops, linear=linear_q8_ref) if activations == "q8" else ops

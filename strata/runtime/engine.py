@@ -14,7 +14,7 @@ import torch
 
 from strata.errors import StrataError
 from strata.model.model import Model, SequenceState
-from strata.model.ops import Ops
+from strata.model.ops import ACTIVATIONS, Ops, with_activations
 from strata.weights.schema import Weights
 
 if TYPE_CHECKING:
@@ -52,18 +52,25 @@ class Engine:
 
     def __init__(self, weights: Weights, dtype: str | torch.dtype = "float32", device: str = "cpu",
                  ops: Ops | None = None, path: Path | None = None, graphs: bool | None = None,
-                 context: int | None = None):
+                 context: int | None = None, activations: str = "float"):
         self.device = torch.device(device)
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if context is not None and context < 1:
             raise StrataError(f"context must be a positive number of positions, got {context}")
         self.context = min(context or DEFAULT_CONTEXT, weights.cfg.max_position_embeddings)
         self.dtype = resolve_dtype(dtype)
+        if activations not in ACTIVATIONS:
+            raise StrataError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+        if ops is not None and activations != "float":
+            raise StrataError("activations: give either an op table or an activation mode, not both")
+        self.activations = activations
         if self.device.type == "cuda":
             from strata.runtime.placement import fast_ops, place
 
             weights = place(weights, self.device, self.dtype)
-            ops = ops or fast_ops()
+            ops = ops or fast_ops(activations=activations)
+        elif ops is None:
+            ops = with_activations(Ops(), activations)
         self.weights = weights
         self.cfg = weights.cfg
         self.path = path
@@ -71,10 +78,11 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | Path | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu",
-             ops: Ops | None = None, graphs: bool | None = None, context: int | None = None) -> Engine:
+             ops: Ops | None = None, graphs: bool | None = None, context: int | None = None,
+             activations: str = "float") -> Engine:
         """Load the model at `path` (the bundled default model when None)."""
         path = Path(path) if path is not None else DEFAULT_MODEL
-        return cls(load_weights(path), dtype, device, ops, path, graphs, context)
+        return cls(load_weights(path), dtype, device, ops, path, graphs, context, activations)
 
     @property
     def max_context(self) -> int:

@@ -13,7 +13,7 @@ import dataclasses
 import torch
 
 from strata.errors import StrataError
-from strata.model.ops import Ops
+from strata.model.ops import Ops, with_activations
 from strata.weights.quant_tensor import QuantTensor
 from strata.weights.repack import (Q4_K_ID, Q4_K_R_ID, Q5_1_ID, Q5_1_R_ID, Q6_K_ID, Q6_K_R_ID, Q8_0_ID, Q8_0_R_ID,
                                    reorder_q4_k, reorder_q5_1, reorder_q6_k, reorder_q8_0, repack_rows)
@@ -150,11 +150,12 @@ def fuse_groups(w: Weights, repack: bool = False) -> Weights:
     return Weights(w.cfg, tensors, w.gdn_value_order, w.source, w.unknown)
 
 
-def fast_ops(base: Ops | None = None, streams: bool = True) -> Ops:
+def fast_ops(base: Ops | None = None, streams: bool = True, activations: str = "float") -> Ops:
     """The op table with every available Triton kernel installed (each falls back to the reference for
     inputs it does not cover) and, with `streams`, a layer's independent branches on CUDA streams of their own
-    (`strata.runtime.streams`)."""
-    ops = base or Ops()
+    (`strata.runtime.streams`); `activations`: the mode of products with quantized weights
+    (`strata.model.ops.with_activations`: the reference fallbacks and the kernels both follow it)."""
+    ops = with_activations(base or Ops(), activations)
     try:
         from strata.kernels.fused import fused_ops
         from strata.kernels.ops import triton_ops
@@ -162,5 +163,5 @@ def fast_ops(base: Ops | None = None, streams: bool = True) -> Ops:
         raise StrataError(f"the GPU path needs Triton ({e}); install it with: pip install -e '.[gpu]'") from e
     from strata.runtime.streams import SideStreams
 
-    fast = fused_ops(triton_ops(ops))
+    fast = fused_ops(triton_ops(ops, q8=activations == "q8"))
     return dataclasses.replace(fast, branches=SideStreams()) if streams else fast
