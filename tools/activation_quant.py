@@ -2,8 +2,9 @@
 
 llama.cpp's CPU matmuls against a quantized weight first round the activation row to the weight type's
 `vec_dot_type` (Q8_0 blocks of 32 for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL, Q8_K blocks of 256 for k- and i-quants).
-strata keeps activations in float. This tool runs strata with that rounding emulated in `Ops.linear` and reports,
-per fixture file: KL(strata ‖ strata+rounding) over the 64 prompt positions, and KL(llama.cpp ‖ each) at the
+strata keeps activations in float by default. This tool runs strata with that rounding emulated in `Ops.linear`,
+and in strata's own `--activations q8` mode (runs of 32 for every type, as llama.cpp's CUDA matmuls round), and
+reports, per fixture file: KL(strata ‖ each) over the 64 prompt positions, and KL(llama.cpp ‖ each) at the
 positions where llama.cpp's and transformers' QSA selection rules agree (q < budget + ratio - 1, or
 q mod ratio == ratio - 2; MANIFEST.md "QSA divergence").
 
@@ -82,6 +83,8 @@ def main() -> int:
         plain = Engine(w).prefill(ids, Engine(w).new_state(), all_logits=True).numpy()
         act = Engine(w, ops=Ops(linear=rounding_linear))
         rounded = act.prefill(ids, act.new_state(), all_logits=True).numpy()
+        mode = Engine(w, activations="q8")  # strata's own mode: runs of 32 with an fp32 scale for every type
+        q8 = mode.prefill(ids, mode.new_state(), all_logits=True).numpy()
         llama = np.load(fx / f"{path.stem}.logits.npy")
         c, width = cfg.indexer_compress_ratio, cfg.selection_width
         agree = np.array([q < width or q % c == c - 2 for q in range(len(ids))])
@@ -89,10 +92,15 @@ def main() -> int:
                      "max_abs_dlogit": float(np.abs(plain - rounded).max()),
                      "agreeing_positions": int(agree.sum()),
                      "kl_llama_vs_strata": float(kl(llama, plain)[agree].mean()),
-                     "kl_llama_vs_strata_rounded": float(kl(llama, rounded)[agree].mean())})
+                     "kl_llama_vs_strata_rounded": float(kl(llama, rounded)[agree].mean()),
+                     "kl_strata_vs_q8_mode": float(kl(plain, q8).mean()),
+                     "max_abs_dlogit_q8_mode": float(np.abs(plain - q8).max()),
+                     "kl_llama_vs_q8_mode": float(kl(llama, q8)[agree].mean())})
         r = rows[-1]
         print(f"{path.name:<20} {r['kl_strata_vs_rounded']:.2e} {r['max_abs_dlogit']:.3f} "
-              f"{r['kl_llama_vs_strata']:.2e} {r['kl_llama_vs_strata_rounded']:.2e}", flush=True)
+              f"{r['kl_llama_vs_strata']:.2e} {r['kl_llama_vs_strata_rounded']:.2e} | --activations q8: "
+              f"{r['kl_strata_vs_q8_mode']:.2e} {r['max_abs_dlogit_q8_mode']:.3f} {r['kl_llama_vs_q8_mode']:.2e}",
+              flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
     return 0

@@ -109,9 +109,9 @@ def _opcode(line: str) -> str | None:
     return m.group(2) if m else None
 
 
-def sass_loop(cubin: bytes) -> tuple[list[str], int, int]:
-    """(the K loop body's SASS lines, registers, local-memory bytes) of a one-function cubin. The loop is the
-    longest span between a label and a later backward branch to it."""
+def sass_loop(cubin: bytes) -> tuple[list[str], int, int, int]:
+    """(the K loop body's SASS lines, registers, local-memory bytes, the kernel's instructions) of a one-function
+    cubin. The loop is the longest span between a label and a later backward branch to it."""
     with tempfile.TemporaryDirectory() as d:
         f = Path(d) / "k.cubin"
         f.write_bytes(cubin)
@@ -131,7 +131,7 @@ def sass_loop(cubin: bytes) -> tuple[list[str], int, int]:
             if best is None or span[1] - span[0] > best[1] - best[0]:
                 best = span
     body = [l for l in lines[best[0]:best[1] + 1] if _opcode(l)] if best else []
-    return body, regs, local
+    return body, regs, local, sum(1 for l in lines if _opcode(l))
 
 
 def classify(body: list[str]) -> dict[str, int]:
@@ -181,8 +181,13 @@ def analyze(t: G.GemvType, n: int, k: int, bn=None, nw=None, nb=None, kernel="ge
     facts["convert_layout"] = ttgir.count("ttg.convert_layout")
     facts["local_alloc"] = ttgir.count("ttg.local_alloc")
     try:
-        body, regs, local = sass_loop(ck.asm["cubin"])
-        facts.update(regs=regs, spill_bytes=local, loop_instrs=len(body), source="sass")
+        body, regs, local, total = sass_loop(ck.asm["cubin"])
+        facts.update(regs=regs, spill_bytes=local, loop_instrs=len(body), source="sass", kernel_instrs=total)
+        if kernel.startswith("rr"):  # instructions a thread executes per weight, the loop counted per iteration
+            steps = k // RR.CHUNK[t.name][0] // facts["NB"]
+            pre = RR.preload_steps(t.name, steps)
+            iters = (steps if pre == 1 else steps - pre) if len(body) > 1 else 0  # no loop left: unrolled
+            facts["kernel_instr_per_weight"] = (total + len(body) * (iters - 1)) / (facts["weights_per_thread"] * steps)
         facts["classes"] = classify(body)
         if dump:
             print("\n".join(body))
@@ -207,7 +212,9 @@ def report(f: dict) -> str:
     return (f"{f['type']:<8} {f['kernel']:<4} {f['n']}x{f['k']} BN={f['BN']} warps={f['warps']} NB={f['NB']}: "
             f"regs={f.get('regs')} spill={f.get('spill_bytes')} loop={f['loop_instrs']} ({f['source']}) "
             f"w/thread={f['weights_per_thread']:g} -> {f['instr_per_weight']:.2f} instr/weight; "
-            f"convert_layout={f['convert_layout']}\n    {ldg}\n    {rest}")
+            f"convert_layout={f['convert_layout']}"
+            + (f"; executed per weight {f['kernel_instr_per_weight']:.2f}" if "kernel_instr_per_weight" in f else "")
+            + f"\n    {ldg}\n    {rest}")
 
 
 def main() -> int:

@@ -16,6 +16,7 @@ the staging nor that launch is on the token's critical path.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -24,18 +25,19 @@ import torch
 from strata.errors import StrataError
 from strata.model.experts import experts_gather
 from strata.model.model import Carry, Model, StepInputs
-from strata.model.ops import Ops
+from strata.model.ops import Ops, linear_q8_ref
 from strata.runtime.state import SequenceState
 from strata.runtime.streams import CAPTURE_LANE, side_stream
 
 
 def capturable(ops: Ops) -> Ops:
     """The op table with the data-dependent reference expert loop replaced by its capturable twin (unless a
-    backend already supplied a device-side expert kernel)."""
+    backend already supplied a device-side expert kernel), rounding activations as the table's `linear` does."""
     from strata.model.experts import experts_ref
 
     if ops.experts is experts_ref:
-        return Ops(**{**ops.__dict__, "experts": experts_gather})
+        gather = functools.partial(experts_gather, q8=True) if ops.linear is linear_q8_ref else experts_gather
+        return Ops(**{**ops.__dict__, "experts": gather})
     return ops
 
 
