@@ -3,7 +3,9 @@
 For each model (the fixture HF checkpoint and GGUF files when present, and tiny random configs): the GPU
 path (Triton kernels, float32 compute) against the CPU reference path (float32): prefill and decode logits
 within a tolerance, greedy tokens equal; and the captured decode step equals the uncaptured one exactly.
-Prints a table and writes JSON to --out.
+`--activations q8` runs both sides in the Q8-activation mode (the GPU's `gemv_q8x` kernels against the CPU's
+`linear_q8_ref`; an input within a rounding of a run's half-step may round to the other integer on the two sides,
+which the tolerance absorbs). Prints a table and writes JSON to --out.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ from strata.runtime.graph import DecodeStep  # noqa: E402
 TOL = 1e-4
 
 
-def compare(path: str, ids: list[int], steps: int = 16) -> dict:
+def compare(path: str, ids: list[int], steps: int = 16, activations: str = "float") -> dict:
     w = load_weights(path)
-    cpu = Engine(w, "float32", "cpu")
-    gpu = Engine(w, "float32", "cuda")
+    cpu = Engine(w, "float32", "cpu", activations=activations)
+    gpu = Engine(w, "float32", "cuda", activations=activations)
     st_c, st_g = cpu.new_state(), gpu.new_state()
     ref = cpu.prefill(ids, st_c, all_logits=True)
     out = gpu.prefill(ids, st_g, all_logits=True).cpu()
@@ -54,7 +56,7 @@ def compare(path: str, ids: list[int], steps: int = 16) -> dict:
     b = graph.step(ids[-1]).clone()
     a2 = eager.step(int(a.argmax())).clone()
     b2 = graph.step(int(b.argmax())).clone()
-    return {"model": path, "tokens": len(ids), "prefill_rel_err": prefill_err, "decode_rel_err": dec_err,
+    return {"model": path, "activations": activations, "tokens": len(ids), "prefill_rel_err": prefill_err, "decode_rel_err": dec_err,
             "greedy_equal": seq_c == seq_g, "captured_equals_uncaptured": bool(torch.equal(a, b) and
                                                                                  torch.equal(a2, b2)),
             "ok": prefill_err < TOL and dec_err < TOL and seq_c == seq_g and torch.equal(a, b)}
@@ -63,6 +65,7 @@ def compare(path: str, ids: list[int], steps: int = 16) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--fixtures", default="fixtures", help="folder holding qwen4exp-tiny fixture files")
+    ap.add_argument("--activations", default="float", choices=("float", "q8"))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
@@ -83,7 +86,7 @@ def main() -> int:
     for m in models:
         try:
             use = ids if m.startswith(str(fx)) else list(range(2, 60))
-            rows.append(compare(m, use))
+            rows.append(compare(m, use, activations=args.activations))
         except Exception as e:  # noqa: BLE001 - report and continue with the next model
             rows.append({"model": m, "ok": False, "error": f"{type(e).__name__}: {e}",
                          "trace": traceback.format_exc()[-2000:]})

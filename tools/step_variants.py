@@ -43,6 +43,8 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
                              launch (`graph.greedy_token`)
   norm-ropes:split           the QSA layer's two query norm+RoPE ops in two launches (`qsa.norm_ropes_ref` over the
                              single kernel) instead of one (`norm_rope.norm_ropes`)
+  activations:q8             products with quantized weights take Q8 activations (`strata generate --activations
+                             q8`: `gemv_q8x`, a quantize launch before each GEMV); its prefill logits differ
   x-widen:0|1                the row-register GEMVs widen bf16 x by inline PTX (1) or `.to(tl.float32)` (0)
                              (`gemv_rr.WIDEN_X_ASM`)
   experts-gemm:N             prefill's routed experts as grouped matrix products from N tokens
@@ -226,6 +228,9 @@ def _apply_one(variant: str) -> dict:
         PREFILL["chunk"] = int(args[0])
     elif name == "experts-gemm-shape" and len(args) == 1:
         experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS = (int(v) for v in args[0].split(","))
+    elif name == "activations" and args == ["q8"]:
+        q8 = fast_ops(streams=True, activations="q8")
+        return {n: getattr(q8, n) for n in ("linear", "linears", "mlp", "experts")}
     elif name == "x-widen" and args in (["0"], ["1"]):
         gemv_rr.WIDEN_X_ASM = args[0] == "1"
     elif name == "shared" and args == ["removed"]:

@@ -45,6 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-split", action="store_true",
                    help="capture the decode step as one graph, staged whole before it runs, instead of two split "
                         "at the first PLE layer (the host stages that layer's rows while the first runs)")
+    p.add_argument("--activations", default="float", choices=["float", "q8"],
+                   help="inputs of products with block-quantized weights: float (default) or q8 (rounded to int8 "
+                        "runs first: integer dot products; see strata generate --help)")
     p.add_argument("--device", default="cuda", help="CUDA device (default: cuda)")
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.set_defaults(run=run)
@@ -81,14 +84,19 @@ def run(args: argparse.Namespace) -> int:
         weights = gpu_layout(synthetic_weights(cfg, mix, dev), inplace=True, dtype=torch.bfloat16)
         mix_text = mix.describe()
     from strata.model.model import Model
+    from strata.model.ops import Ops, with_activations
 
-    ops = None if args.reference_ops else fast_ops(streams=not args.one_stream)
+    if args.reference_ops:
+        ops = with_activations(Ops(), args.activations)
+    else:
+        ops = fast_ops(streams=not args.one_stream, activations=args.activations)
     model = Model(weights, torch.bfloat16, dev, ops)
     report = {"commit": args.commit or bench.git_commit(), "gpu": torch.cuda.get_device_name(dev),
               "copy_bandwidth_bytes_per_s": bw, "model": args.model or "synthetic (real geometry)",
               "type_mix": mix_text, "layers": weights.cfg.num_hidden_layers,
-              "ops": "reference" if ops is None else "triton", "pdl": ops is not None and pdl.active(dev),
-              "branch_streams": ops is not None and not args.one_stream, "split_step": not args.no_split,
+              "ops": "reference" if args.reference_ops else "triton", "activations": args.activations,
+              "pdl": not args.reference_ops and pdl.active(dev),
+              "branch_streams": not args.reference_ops and not args.one_stream, "split_step": not args.no_split,
               "decode": []}
     for ctx in contexts:
         r = bench.bench_decode(model, ctx, args.tokens, args.runs, stage_table=not args.no_stages,
