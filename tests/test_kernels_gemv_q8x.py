@@ -71,7 +71,7 @@ def _want(x: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 @pytest.mark.parametrize("kind,k", [("Q4_K_R", 512), ("Q4_K_R", 768), ("Q8_0_R", 512), ("Q8_0_R", 768),
-                                    ("Q5_1_R", 640), ("Q5_1_R", 384)])
+                                    ("Q5_1_R", 640), ("Q5_1_R", 384), ("Q6_K_R", 512), ("Q6_K_R", 768)])
 def test_plain(kind: str, k: int, rr_calls) -> None:  # noqa: F811
     rng = np.random.default_rng(zlib_seed(kind) + k)
     w, ref = ggml_rows(kind, 21, k, rng)  # partial row tiles
@@ -85,7 +85,7 @@ def test_plain(kind: str, k: int, rr_calls) -> None:  # noqa: F811
     assert rr_calls == [kind] * 4
 
 
-@pytest.mark.parametrize("kind,k", [("Q4_K_R", 2048), ("Q8_0_R", 2048), ("Q5_1_R", 1024)])
+@pytest.mark.parametrize("kind,k", [("Q4_K_R", 2048), ("Q8_0_R", 2048), ("Q5_1_R", 1024), ("Q6_K_R", 2048)])
 def test_k_split(kind: str, k: int, rr_calls) -> None:  # noqa: F811
     rng = np.random.default_rng(zlib_seed(kind) + 9)
     (w, ref), (u, uref) = ggml_rows(kind, 6, k, rng), ggml_rows(kind, 6, k, rng)
@@ -148,8 +148,8 @@ def test_bad_input_names_what_is_wrong() -> None:
     rng = np.random.default_rng(1)
     w, _ = ggml_rows("Q4_K_R", 4, 256, rng)
     x = torch.randn(1, 256)
-    with pytest.raises(ValueError, match="Q6_K_R: no GEMV with Q8 activations"):
-        Q.quantize(x, "Q6_K_R")
+    with pytest.raises(ValueError, match="Q4_0: no GEMV with Q8 activations"):
+        Q.quantize(x, "Q4_0")
     with pytest.raises(ValueError, match="not a multiple of 128"):
         Q.quantize(torch.randn(1, 96), "Q4_K_R")
     with pytest.raises(ValueError, match=r"expected int8 \(1, 320\)"):
@@ -158,5 +158,5 @@ def test_bad_input_names_what_is_wrong() -> None:
         Q.quantize(torch.randn(256, 2)[:, 0][None], "Q4_K_R")
     with pytest.raises(ValueError, match="Q8 activations"):
         from strata.kernels import gemv_rr
-        gemv_rr.launch("Q6_K_R", x, w, None, x, 4, 256, 1, 0, 0, 0, None, 0, (8, 1, 1, 1), None, x, x, None, {},
+        gemv_rr.launch("Q4_0", x, w, None, x, 4, 256, 1, 0, 0, 0, None, 0, (8, 1, 1, 1), None, x, x, None, {},
                        q8x=True)

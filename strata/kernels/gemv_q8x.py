@@ -5,11 +5,12 @@ dequantizing FMA, x's widening, the product's FMA), so a decode GEMV is bound by
 memory. With x rounded to int8 in runs of 32 (the rounding llama.cpp's GPU matmuls apply), the stored weights'
 integers multiply x's in `dp4a` (four byte products and their sum per instruction), and the scales are applied
 once per run: Q4_K's x_d S (q . qx) - M s, Q5_1's x_d d (q . qx) + m s, Q8_0_R's (stored q + 128)
-dw (x_d (u . qx) - 128 s), s = x_d sum(qx) being the run's sum. The weights are read as stored; only x changes.
+dw (x_d (u . qx) - 128 s), s = x_d sum(qx) being the run's sum; Q6_K's x_d S (q . qx - 32 sum(qx)) per half
+run (its scales cover 16 weights). The weights are read as stored; only x changes.
 
 `quantize` writes x as the kernels read it: units of 128 values (`gemv_rr.Q8X_UNIT`), 128 int8 then four (d, s)
 fp32 pairs, each run's bytes ordered as its consumer's words hold their weights (byte b of word w multiplies
-weight 8b + w for Q4_K_R and Q8_0_R, weight 4b + w and 16 + 4b + w for Q5_1_R: `ORDER`), so each 4-byte word of
+weight 8b + w for Q4_K_R, Q6_K_R and Q8_0_R, weight 4b + w and 16 + 4b + w for Q5_1_R: `ORDER`), so each 4-byte word of
 weights meets one 4-byte word of x. Everything else (launch shapes, K split, expert ids, the GLU and the slot sum,
 PDL) is the row-register kernel's, which takes these units in place of float x (`gemv_rr._rr_kernel`'s XQ).
 
@@ -27,7 +28,7 @@ from strata.kernels import gemv as G
 from strata.kernels import gemv_rr, pdl
 from strata.model.act_quant import RUN
 
-ORDER = {"Q4_K_R": 8, "Q8_0_R": 8, "Q5_1_R": 4}
+ORDER = {"Q4_K_R": 8, "Q8_0_R": 8, "Q5_1_R": 4, "Q6_K_R": 8}
 """Per type, the span S of a word's bytes in its run: byte b of word w holds value S b + w (S = 8), or for S = 4
 value 4 b + w of the run's first 16 (words 0-3) and 16 + 4 b + (w - 4) of its last 16 (words 4-7)."""
 

@@ -355,6 +355,45 @@ def _q4_k_r_q8x_fma(acc, raw, xp, sb0, s, c, k, base, ASM: tl.constexpr, XA: tl.
 
 
 @triton.jit
+def _q6_half(q0, x0, q1, x1, ones, ASM: tl.constexpr):
+    """(q - 32) . qx over the bytes x0, x1 keep (the others zeroed): q . qx - 32 sum(qx)."""
+    return _dot8(q0, x0, q1, x1, False, ASM) - 32 * _dot8(x0, ones, x1, ones, False, ASM)
+
+
+@triton.jit
+def _q6_k_r_q8x_fma(acc, raw, xp, sb0, s, c, k, base, ASM: tl.constexpr, XA: tl.constexpr):
+    """acc += one step's Q6_K_R super-blocks times Q8 activations (units as for Q4_K_R). Each run holds two
+    sub-blocks of 16 (bytes 0-1 and 2-3 of every word), so each word's dot product is taken per half, and
+    S (q - 32) . x = xd S (q . qx - 32 sum(qx)) with the half's sum of qx from `dp4a` against ones."""
+    v0, v1, vh, w0, w1, w2, w3, dw = raw
+    sw = tl.where(c == 0, w0, tl.where(c == 1, w1, tl.where(c == 2, w2, w3)))
+    d = _f16_lo(dw)
+    l0 = (v0 & 0x0F0F0F0F) | ((vh << 4) & 0x30303030)
+    l1 = (v1 & 0x0F0F0F0F) | ((vh << 2) & 0x30303030)
+    u0 = ((v0 >> 4) & 0x0F0F0F0F) | (vh & 0x30303030)
+    u1 = ((v1 >> 4) & 0x0F0F0F0F) | ((vh >> 2) & 0x30303030)
+    uw = xp + ((sb0 + s) * 2 + c // 2) * 40
+    xw = uw + (c % 2) * 16 + k
+    xa, xb, xc, xd = tl.load(xw), tl.load(xw + 4), tl.load(xw + 8), tl.load(xw + 12)
+    ones = xa * 0 + 0x01010101
+    i0 = _q6_half(l0, xa & 0x0000FFFF, l1, xb & 0x0000FFFF, ones, ASM)
+    i1 = _q6_half(l0, xa & -65536, l1, xb & -65536, ones, ASM)  # -65536: 0xFFFF0000
+    i2 = _q6_half(u0, xc & 0x0000FFFF, u1, xd & 0x0000FFFF, ones, ASM)
+    i3 = _q6_half(u0, xc & -65536, u1, xd & -65536, ones, ASM)
+    xd_lo, _ = _q8x_scales(uw, (c % 2) * 2)
+    xd_hi, _ = _q8x_scales(uw, (c % 2) * 2 + 1)
+    s0 = d * ((sw << 24) >> 24).to(tl.float32)  # the int8 scales of sub-blocks 4c .. 4c + 3
+    s1 = d * ((sw << 16) >> 24).to(tl.float32)
+    s2 = d * ((sw << 8) >> 24).to(tl.float32)
+    s3 = d * (sw >> 24).to(tl.float32)
+    i0 = _i2f(tl.sum(i0, axis=3, keep_dims=True))
+    i1 = _i2f(tl.sum(i1, axis=3, keep_dims=True))
+    i2 = _i2f(tl.sum(i2, axis=3, keep_dims=True))
+    i3 = _i2f(tl.sum(i3, axis=3, keep_dims=True))
+    return acc + (xd_lo * (s0 * i0 + s1 * i1) + xd_hi * (s2 * i2 + s3 * i3))
+
+
+@triton.jit
 def _q8_0_r_q8x_fma(acc, raw, xp, sb, s, blk, k, base, ASM: tl.constexpr, XA: tl.constexpr):
     """acc += one Q8_0_R chunk's weights (of groups sb + s) times Q8 activations: block blk of group g is run
     blk % 4 of unit 2 g + blk // 4; the stored bytes are q + 128, so dw (xd (u . qx) - 128 s)."""
@@ -393,7 +432,10 @@ def _super_block_rows(rp, xp, base, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl
     s = tl.arange(0, SBC)[None, :, None, None]
     c = tl.arange(0, 4)[None, None, :, None]
     k = tl.arange(0, 4)[None, None, None, :]
-    if Q6:
+    if Q6 and XQ:
+        return _k_loop(wp, xp, s, c, k, base, 0, NCH // SBC, SBC, BR, _q6_k_r_step_load, _q6_k_r_q8x_fma, ASM, XA,
+                       GDC, REL, PRE, 4, 1)
+    elif Q6:
         return _k_loop(wp, xp, s, c, k, base, 0, NCH // SBC, SBC, BR, _q6_k_r_step_load, _q6_k_r_step_fma, ASM, XA,
                        GDC, REL, PRE)
     elif XQ:
@@ -498,7 +540,6 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
         pdl.started(GDC)
     REL: tl.constexpr = RELEASE == 1 and (IDS_EARLY or not HAS_IDS)  # started by the K loop's helper, at its wait
     XA: tl.constexpr = ASM and XW
-    tl.static_assert(not XQ or KIND != "Q6_K_R", "Q8 activations: no Q6_K_R K loop")
     pid = tl.program_id(0)
     slot = tl.program_id(1).to(tl.int64)
     part = tl.program_id(2)
@@ -554,7 +595,7 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
         _store(optr, res, pid * BR + r, N * last)
 
 
-Q8X_TYPES = ("Q4_K_R", "Q8_0_R", "Q5_1_R")
+Q8X_TYPES = ("Q4_K_R", "Q8_0_R", "Q5_1_R", "Q6_K_R")
 """The types with a K loop for Q8 activations (`XQ`)."""
 
 Q8X_UNIT = (128, 160)
