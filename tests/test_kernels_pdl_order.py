@@ -27,7 +27,7 @@ import pytest  # noqa: E402
 import triton  # noqa: E402
 
 from strata.kernels import gemv_rr as RR  # noqa: E402
-from strata.kernels import qsa_store  # noqa: E402
+from strata.kernels import gemv_q8x, qsa_store  # noqa: E402
 from strata.kernels.offline import compile_experts_gemm, compile_for, compile_rr  # noqa: E402
 
 WAIT = "griddepcontrol.wait"
@@ -68,6 +68,11 @@ def _cases() -> dict:
         cases[f"q8x-{kind}"] = lambda k=kind: _rr_ptx(k, k == "Q5_1_R", k == "Q5_1_R",
                                                       RR.RELEASE["settled-ids" if k == "Q5_1_R" else "plain"],
                                                       widen=True, q8x=True)
+    for late in (True, False):
+        cases[f"quantize-late-{late}"] = lambda lt=late: _ptx(
+            gemv_q8x._quantize_kernel, dict(x_ptr="*bf16", q_ptr="*i8"), dict(RUNS=80, x_slot_stride=2560,
+                                                                             q_slot_stride=3200),
+            dict(SPAN=8, RB=16, GDC=True, LATE=lt), 4)
     for late in (True, False):
         cases[f"qsa_store-late-{late}"] = lambda lt=late: _qsa_store_ptx(lt)
     for x, widen in (("bf16", True), ("bf16", False), ("fp32", True)):
@@ -176,3 +181,11 @@ def test_rr_q8_activations_multiply_in_dp4a(ptx, kind):
     assert "0xFFFF0000;" not in code
     wait, launch = _order(code)
     assert wait < launch
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_quantize_release_point(ptx, late):
+    """The Q8-activation quantize kernel lets its GEMV in first (to load weights while it waits), or after its wait
+    (`pdl.LATE_RELEASE["quantize"]`)."""
+    wait, launch = _order(ptx[f"quantize-late-{late}"])
+    assert (wait < launch) == late

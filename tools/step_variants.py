@@ -35,7 +35,7 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   release-settled:M          the same for launches by settled expert ids (the routed down projections)
   release-rows:N:M           as release-plain:M for launches of N rows only
   late:NAME:0|1              the kernel NAME (a `pdl.LATE_RELEASE` key: qsa_store, gdn_step, route, combine,
-                             hc_down, hc_up) lets the next kernel in after its PDL wait (1) or first (0)
+                             hc_down, hc_up, quantize) lets the next kernel in after its PDL wait (1) or first (0)
   streams:off                the shared expert on the caller's stream, after the routed experts (no side stream)
   shared:removed             the shared expert's launches left out of the graph (its output from the warm-up; no
                              side stream, so no join before the combine): bounds what a join-free MoE could gain

@@ -52,11 +52,11 @@ def source_index(span: int) -> torch.Tensor:
 
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, RUNS, x_slot_stride, q_slot_stride, SPAN: tl.constexpr, RB: tl.constexpr,
-                     GDC: tl.constexpr = False):
+                     GDC: tl.constexpr = False, LATE: tl.constexpr = False):
     """RB runs of one row of x (program (i, row)) rounded to Q8 (`act_quant.quantize_q8`, the same divisions) and
-    stored as units (`gemv_rr.Q8X_UNIT`), each run's bytes in the order of SPAN (`ORDER`)."""
-    pdl.started(GDC)
-    pdl.wait(GDC)
+    stored as units (`gemv_rr.Q8X_UNIT`), each run's bytes in the order of SPAN (`ORDER`). The GEMV after it is
+    let in first (it loads its weights meanwhile), or with LATE after the wait (`pdl.LATE_RELEASE["quantize"]`)."""
+    pdl.enter(GDC, LATE)
     slot = tl.program_id(1).to(tl.int64)
     run = tl.program_id(0) * RB + tl.arange(0, RB)[:, None]
     p = tl.arange(0, 32)[None, :]
@@ -101,7 +101,7 @@ def quantize(x: torch.Tensor, kind: str, out: torch.Tensor | None = None) -> tor
     if rows and runs:
         _quantize_kernel[(triton.cdiv(runs, RUNS_PER_PROGRAM), rows)](
             x, out, runs, x.stride(0), out.stride(0), SPAN=ORDER[kind], RB=RUNS_PER_PROGRAM, num_warps=4,
-            **pdl.launch(x.device))
+            LATE=pdl.LATE_RELEASE["quantize"], **pdl.launch(x.device))
     return out
 
 

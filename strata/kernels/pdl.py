@@ -73,7 +73,7 @@ def enter(GDC: tl.constexpr, LATE: tl.constexpr = False):
 
 
 LATE_RELEASE = {"qsa_store": True, "gdn_step": False, "route": False, "combine": False, "hc_down": False,
-                "hc_up": False}
+                "hc_up": False, "quantize": False}
 """Kernels (by launch name) that let the next kernel in only after their wait instead of first. True where the
 4K decode step on an H200 measured it faster (`tools/step_variants.py`, bench/results/2026-12-04-h200-step-
 variants-release-*.json): the QSA cache-write kernel, whose successors (norm and RoPE, block scores, selection,
