@@ -86,3 +86,24 @@ def test_capturable_expert_twin_rounds_as_the_mode() -> None:
     plain = experts_gather(a, top_i, top_w, gate, up, down, linear_ref)
     assert (plain - want).abs().max() > 1e-4 * want.abs().max()
     assert capturable(Ops()).experts is experts_gather
+
+
+def test_entries_take_q8_kernels_where_they_apply(monkeypatch) -> None:
+    """`linear_blocks` in the q8 mode: one aligned row of a row-register type through `gemv_q8x`; rows that do not
+    start 16-byte aligned, and several rows, through x rounded and the float GEMV: the same products either way."""
+    import numpy as np
+
+    from strata.model.act_quant import round_q8
+    from tests.test_kernels_gemv_rr import ggml_rows
+
+    w, ref = ggml_rows("Q4_K_R", 8, 512, np.random.default_rng(12))
+    shifted = torch.empty(w.numel() + 1, dtype=torch.uint8)[1:].view(w.shape)
+    shifted.copy_(w)
+    calls = reference.count_calls(monkeypatch, {"q8": (gemv_q8x, "gemv"), "float": (K_OPS, "gemv")})
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(12))
+    for data, rows, path in ((w, 1, "q8"), (shifted, 1, "float"), (w, 3, "float")):
+        before = dict(calls)
+        y = K_OPS.linear_blocks(x[:rows], data, "Q4_K_R", q8=True)
+        want = round_q8(x[:rows]).double() @ ref.T
+        assert (y.double() - want).abs().max() <= 1e-5 * want.abs().max()
+        assert calls[path] == before[path] + 1

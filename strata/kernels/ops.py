@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from strata.kernels.experts_gemm import expert_tiles, experts_gemm, experts_gemm_glu, tile_rows
 from strata.kernels.gemv import (GEMV_TYPE_NAMES, MAX_TOKENS, OUT_DTYPES, dequantize_rows, gemv, gemv_experts,
                                  gemv_experts_glu, gemv_experts_sum, gemv_glu)
-from strata.kernels import gemv_q8x
+from strata.kernels import gemv_q8x, gemv_rr
 from strata.kernels.moe import slot_sum
 from strata.model.act_quant import DENSE_KINDS, round_q8
 from strata.model.experts import experts_gather, experts_ref
@@ -79,9 +79,17 @@ def _as_x(x: torch.Tensor, k: int) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _q8_kernel(x: torch.Tensor, kind: str) -> bool:
-    """Whether one row of x meets weights of `kind` in a Q8-activation GEMV (`gemv_q8x`)."""
-    return kind in gemv_q8x.ORDER and x.numel() == x.shape[-1] and x.shape[-1] % 128 == 0 and x.dtype in OUT_DTYPES
+def _q8_kernel(x: torch.Tensor, kind: str, *mats: torch.Tensor) -> bool:
+    """Whether one row of x meets the raw weights `mats` (matrices or expert stacks) of `kind` in a Q8-activation
+    GEMV (`gemv_q8x`)."""
+    return x.numel() == x.shape[-1] and x.dtype in OUT_DTYPES and _q8_types(kind, x.shape[-1], *mats)
+
+
+def _q8_types(kind: str, k: int, *mats: torch.Tensor) -> bool:
+    """Whether `gemv_q8x` multiplies rows of k weights of `kind` stored as `mats`: a row-register type, k a
+    multiple of 128, rows 16-byte aligned."""
+    return (kind in gemv_q8x.ORDER and k % 128 == 0
+            and all(gemv_rr.covers(kind, 1, m, None, (m.stride(0),) if m.dim() == 3 else ()) for m in mats))
 
 
 def _rounded(x: torch.Tensor, kind: str, q8: bool) -> torch.Tensor:
@@ -97,7 +105,7 @@ def linear_blocks(x: torch.Tensor, data: torch.Tensor, kind: str, bias: StoredTe
     kernel, else x rounded first. No device check: the caller decides (the tests run it on the CPU under the
     Triton interpreter)."""
     k = x.shape[-1]
-    if q8 and bias is None and _q8_kernel(x, kind):
+    if q8 and bias is None and _q8_kernel(x, kind, data):
         y = gemv_q8x.gemv(gemv_q8x.quantize(_as_x(x, k), kind), data, kind, k, out_dtype=x.dtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])
     x = _rounded(x, kind, q8)
@@ -197,7 +205,7 @@ def mlp_triton(x: torch.Tensor, gate: StoredTensor, up: StoredTensor, down: Stor
     g, u = _gemv_ok(x, gate, MAX_TOKENS), _gemv_ok(x, up, MAX_TOKENS)
     if g is not None and u is not None and g[1] == u[1] and x.dtype in OUT_DTYPES:
         k = x.shape[-1]
-        if q8 and _q8_kernel(x, g[1]):
+        if q8 and _q8_kernel(x, g[1], g[0], u[0]):
             h = gemv_q8x.gemv_glu(gemv_q8x.quantize(_as_x(x, k), g[1]), g[0], u[0], g[1], k, out_dtype=x.dtype)
         else:
             h = gemv_glu(_as_x(_rounded(x, g[1], q8), k), g[0], u[0], g[1], k, out_dtype=x.dtype)
@@ -222,8 +230,8 @@ def experts_blocks(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
         ids = ids.to(torch.int64)
     ids = ids.contiguous()
     x = _as_x(a, h_dim)
-    if (q8 and n_tok == 1 and gate[1] == up[1] and _q8_kernel(x, gate[1]) and down[1] in gemv_q8x.ORDER
-            and i_dim % 128 == 0):
+    if (q8 and n_tok == 1 and gate[1] == up[1] and _q8_kernel(x, gate[1], gate[0], up[0])
+            and _q8_types(down[1], i_dim, down[0])):
         h = gemv_q8x.gemv_experts_glu(gemv_q8x.quantize(x, gate[1]), gate[0], up[0], ids, gate[1], h_dim,
                                       out_dtype=a.dtype)
         return gemv_q8x.gemv_experts_sum(gemv_q8x.quantize(h, down[1]), down[0], ids, top_w.reshape(-1).contiguous(),
