@@ -236,15 +236,17 @@ def experts_blocks(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
                                       out_dtype=a.dtype)
         return gemv_q8x.gemv_experts_sum(gemv_q8x.quantize(h, down[1]), down[0], ids, top_w.reshape(-1).contiguous(),
                                          down[1], i_dim, out_dtype=a.dtype, ids_settled=SETTLED_IDS)
-    xg, xu = _rounded(x, gate[1], q8), _rounded(x, up[1], q8)
+    xg = _rounded(x, gate[1], q8)
+    xu = xg if (gate[1] in DENSE_KINDS) == (up[1] in DENSE_KINDS) else _rounded(x, up[1], q8)
     # slots sorted by expert: the GEMM's tiles are runs of one expert's slots; the GEMV's programs of one expert
     # run back to back and find its weights in L2
     order = ids.argsort(stable=True) if n_tok > 1 else None
     if n_tok >= GEMM_MIN_TOKENS and a.dtype in OUT_DTYPES:
-        return _experts_grouped(xg, ids[order], order, top_w.reshape(n_tok, k), gate, up, down, a.dtype, xu, q8)
+        return _experts_grouped(xg, ids[order], order, top_w.reshape(n_tok, k), gate, up, down, a.dtype,
+                                None if xu is xg else xu, q8)
     if order is not None:
         ids = ids[order].contiguous()
-        xg, xu = xg[order // k], xu[order // k]
+        xg, xu = (xg[order // k],) * 2 if xu is xg else (xg[order // k], xu[order // k])
     if gate[1] == up[1] and a.dtype in OUT_DTYPES:
         # gate/up/SiLU in one launch; down over every slot in parallel (fp32), then the weighted sum over each
         # token's slots (a program looping over the slots itself serialises k dependent GEMVs: 8x slower)
