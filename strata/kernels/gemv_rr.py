@@ -33,6 +33,10 @@ slots summed (split-K tickets, `gemv._split_sum`). The launcher in `gemv.py` sen
 types (several tokens, explicit launch shapes, rows not 16-byte aligned) to the generic kernel, which reads them
 through `gemv_blocks.decode_*_r`. Under Triton's interpreter (the CPU tests) the byte permute is written as shifts
 and masks with the same result.
+
+With XQ the same loops read Q8 activations (`gemv_q8x`: x rounded to int8 runs of 32) and take each word's
+products in one `dp4a` against a word of x, the scales applied once per run (`_*_q8x_fma`; 1-3.8 instructions
+per weight instead of 5-6.4, bench/results/2026-12-05-cpu-gemv-sass-q8x.json).
 """
 
 from __future__ import annotations
