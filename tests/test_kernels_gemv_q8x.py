@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.test_kernels_gemv import G, zlib_seed
-from tests.test_kernels_gemv_rr import check, ggml_rows, rr_calls  # noqa: F401 (a fixture)
+from tests.test_kernels_gemv_rr import check, ggml_rows, rr_calls, slot_sum_case  # noqa: F401 (a fixture)
 from strata.kernels import gemv_q8x as Q
 from strata.model.act_quant import dequantize_q8, quantize_q8, round_q8
 
@@ -124,12 +124,8 @@ def test_experts_glu(kind: str, rr_calls) -> None:  # noqa: F811
 def test_slot_sum(kind: str, rr_calls) -> None:  # noqa: F811
     """The routed experts' down projections and their weighted sum in one launch; ids settled or not, the same
     bits; every ticket put back."""
-    rng = np.random.default_rng(zlib_seed(kind) + 7)
     k = 512
-    mats = [ggml_rows(kind, 11, k, rng) for _ in range(3)]
-    st = torch.stack([m[0] for m in mats])
-    ids = torch.tensor([2, 0, 2, 1])
-    sw = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    mats, st, ids, sw = slot_sum_case(kind, k)
     x = activations(4, k, 8)
     xq = Q.quantize(x, kind)
     out = torch.full((1, 11), float("nan"))

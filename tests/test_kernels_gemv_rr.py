@@ -138,17 +138,21 @@ def test_other_launches_take_the_generic_kernel(rr_calls) -> None:
     assert rr_calls == []
 
 
+def slot_sum_case(kind: str, k: int) -> tuple[list, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three random expert matrices of 11 rows (stored, float64), their stack, the ids of 4 slots and their
+    weights."""
+    rng = np.random.default_rng(zlib_seed(kind) + 7)
+    mats = [ggml_rows(kind, 11, k, rng) for _ in range(3)]
+    return mats, torch.stack([m[0] for m in mats]), torch.tensor([2, 0, 2, 1]), torch.tensor([0.4, 0.3, 0.2, 0.1])
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_slot_sum(kind: str, rr_calls) -> None:
     """`gemv_experts_sum`: the routed experts' down projections and their weighted sum in one launch (the slots'
     products added in slot order by the last program of each row tile); the ticket counters end at 0. With the
     ids settled (read before the PDL wait on a GPU) the kernel computes the same bits."""
-    rng = np.random.default_rng(zlib_seed(kind) + 7)
     k = 512
-    mats = [ggml_rows(kind, 11, k, rng) for _ in range(3)]
-    st = torch.stack([m[0] for m in mats])
-    ids = torch.tensor([2, 0, 2, 1])
-    sw = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    mats, st, ids, sw = slot_sum_case(kind, k)
     x = torch.randn(4, k, generator=torch.Generator().manual_seed(8))
     out = torch.full((1, 11), float("nan"))
     G.gemv_experts_sum(x, st, ids, sw, kind, k, out=out)

@@ -133,17 +133,6 @@ def experts(lab: Lab, gen: torch.Generator) -> None:
         x = _x(k, 1 if mode == "glu" else slots, gen)
         xq = Q.quantize(x, kind)
         ids0 = id_sets[0]
-
-        def want(xd: torch.Tensor) -> torch.Tensor:
-            rows = []
-            for s, e in enumerate(ids0.tolist()):
-                xs = xd[0 if mode == "glu" else s]
-                g = xs @ quants.dequantize(sg[e], tid, k).double().T
-                if mode == "glu":
-                    rows.append(torch.nn.functional.silu(g) * (xs @ quants.dequantize(su[e], tid, k).double().T))
-                else:
-                    rows.append(float(sw[s]) * g)
-            return torch.stack(rows) if mode == "glu" else sum(rows)[None]
         stacks = tuple(None if s is None else word(name, s, k)[1] for s in (sg, su))
 
         def run(ids, q8: bool, fresh: bool = False):
@@ -156,7 +145,8 @@ def experts(lab: Lab, gen: torch.Generator) -> None:
                 return G.gemv_experts_glu(x, stacks[0], stacks[1], ids, kind, k, out_dtype=torch.float32)
             return G.gemv_experts_sum(x, stacks[0], ids, sw, kind, k, out_dtype=torch.float32)
 
-        ref_f, ref_q = want(x.double()), want(round_q8(x.cpu()).double().to(DEVICE))
+        ref_f, ref_q = (RL.experts_want(xd, ids0, mode, sg, su, sw, tid, k)
+                        for xd in (x.double(), round_q8(x.cpu()).double().to(DEVICE)))
 
         def err(y: torch.Tensor, ref: torch.Tensor) -> float:
             return float((y.double() - ref).abs().max() / ref.abs().max())
@@ -183,12 +173,7 @@ def main() -> int:
     experts(lab, gen)
     print(f"copy bandwidth {lab.bw / 1e12:.2f} TB/s; quantize checks equal: "
           f"{sum(c['equal'] for c in checks)}/{len(checks)}")
-    print(f"{'case':<40}{'shape':>16}{'us':>9}{'frac':>7}{'err':>10}")
-    for r in lab.rows:
-        if "error" in r:
-            print(f"{r['case']:<40}{r['shape']:>16}  ERROR {r['error'][:70]}")
-        else:
-            print(f"{r['case']:<40}{r['shape']:>16}{r['us']:>9.1f}{r['frac']:>7.2f}{r['err']:>10.1e}")
+    lab.print_table(40)
     if args.out:
         Path(args.out).write_text(json.dumps({"copy_bw": lab.bw, "checks": checks, "rows": lab.rows}, indent=1))
     return 0

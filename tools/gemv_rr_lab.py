@@ -75,6 +75,14 @@ class Lab:
         self.rows.append(r)
         print(json.dumps(r), file=sys.stderr, flush=True)
 
+    def print_table(self, width: int = 34) -> None:
+        print(f"{'case':<{width}}{'shape':>16}{'us':>9}{'frac':>7}{'err':>10}")
+        for r in self.rows:
+            if "error" in r:
+                print(f"{r['case']:<{width}}{r['shape']:>16}  ERROR {r['error'][:70]}")
+            else:
+                print(f"{r['case']:<{width}}{r['shape']:>16}{r['us']:>9.1f}{r['frac']:>7.2f}{r['err']:>10.1e}")
+
 
 def rr_shapes(kind: str, n_chunks: int, tiles: int) -> list[tuple[str, tuple | None]]:
     base = gemv_rr.launch_shape(kind, n_chunks, tiles)
@@ -174,6 +182,21 @@ def glus(lab: Lab, gen: torch.Generator, types: set[str] | None) -> None:
         torch.cuda.empty_cache()
 
 
+def experts_want(xd: torch.Tensor, ids: torch.Tensor, mode: str, sg: torch.Tensor, su: torch.Tensor | None,
+                 sw: torch.Tensor, tid: int, k: int) -> torch.Tensor:
+    """float64 result of an expert launch ("glu": each slot's silu(G x) * U x; "sum": the weighted sum of the
+    slots' G x[slot]) from the stored stacks."""
+    rows = []
+    for s, e in enumerate(ids.tolist()):
+        xs = xd[0 if mode == "glu" else s]
+        g = xs @ quants.dequantize(sg[e], tid, k).double().T
+        if mode == "glu":
+            rows.append(torch.nn.functional.silu(g) * (xs @ quants.dequantize(su[e], tid, k).double().T))
+        else:
+            rows.append(float(sw[s]) * g)
+    return torch.stack(rows) if mode == "glu" else sum(rows)[None]
+
+
 def experts(lab: Lab, gen: torch.Generator, types: set[str] | None) -> None:
     n_exp, slots = 256, 10
     for name, mode, n, k in EXPERTS:
@@ -188,18 +211,7 @@ def experts(lab: Lab, gen: torch.Generator, types: set[str] | None) -> None:
         x = torch.randn(1 if mode == "glu" else slots, k, generator=gen, device="cuda")
         x = x.to(torch.bfloat16).to(X_DTYPE[0])
         ids0 = id_sets[0]
-
-        def want() -> torch.Tensor:
-            rows = []
-            for s, e in enumerate(ids0.tolist()):
-                xs = x[0 if mode == "glu" else s].double()
-                g = xs @ quants.dequantize(sg[e], tid, k).double().T
-                if mode == "glu":
-                    rows.append(torch.nn.functional.silu(g) * (xs @ quants.dequantize(su[e], tid, k).double().T))
-                else:
-                    rows.append(float(sw[s]) * g)
-            return torch.stack(rows) if mode == "glu" else sum(rows)[None]
-        ref = want()
+        ref = experts_want(x.double(), ids0, mode, sg, su, sw, tid, k)
 
         def run(stacks, kind, ids):
             if mode == "glu":
@@ -240,12 +252,7 @@ def main() -> int:
     glus(lab, gen, types)
     experts(lab, gen, types)
     print(f"copy bandwidth {lab.bw / 1e12:.2f} TB/s")
-    print(f"{'case':<34}{'shape':>16}{'us':>9}{'frac':>7}{'err':>10}")
-    for r in lab.rows:
-        if "error" in r:
-            print(f"{r['case']:<34}{r['shape']:>16}  ERROR {r['error'][:70]}")
-        else:
-            print(f"{r['case']:<34}{r['shape']:>16}{r['us']:>9.1f}{r['frac']:>7.2f}{r['err']:>10.1e}")
+    lab.print_table()
     if args.out:
         Path(args.out).write_text(json.dumps({"copy_bw": lab.bw, "x": args.x, "rows": lab.rows}, indent=1))
     return 0
