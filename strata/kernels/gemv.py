@@ -558,6 +558,12 @@ def _slots(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> tuple[int, in
     return k_sel, 0 if x.shape[0] == 1 else x.stride(0)
 
 
+def _check_slot_weights(sw: torch.Tensor, k_sel: int, w: torch.Tensor) -> None:
+    if tuple(sw.shape) != (k_sel,) or sw.device != w.device or not sw.is_contiguous():
+        raise ValueError(f"slot_weights: expected contiguous ({k_sel},) on {w.device}, got {tuple(sw.shape)} on "
+                         f"{sw.device}")
+
+
 def _glu_weights(t: GemvType, gate_data: torch.Tensor, up_data: torch.Tensor, k: int,
                  dims: int) -> tuple[torch.Tensor, torch.Tensor]:
     g, u = _weights(t, gate_data, k, dims), _weights(t, up_data, k, dims)
@@ -820,9 +826,7 @@ def gemv_experts_sum(x: torch.Tensor, w_data: torch.Tensor, expert_ids: torch.Te
     w = _weights(t, w_data, K, 3)
     _check_x(x, K, w)
     k_sel, x_slot_stride = _slots(x, expert_ids, w)
-    if tuple(slot_weights.shape) != (k_sel,) or slot_weights.device != w.device or not slot_weights.is_contiguous():
-        raise ValueError(f"slot_weights: expected contiguous ({k_sel},) on {w.device}, got "
-                         f"{tuple(slot_weights.shape)} on {slot_weights.device}")
+    _check_slot_weights(slot_weights, k_sel, w)
     n = w.shape[1]
     out = _out(out, (1, n), w.device, out_dtype)
     if tickets(w.device) is None or triton.cdiv(n, _rows(t, 1, block_n, n * k_sel, True)) > SPLIT_COUNTERS:

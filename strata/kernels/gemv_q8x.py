@@ -28,9 +28,7 @@ from strata.kernels import gemv as G
 from strata.kernels import gemv_rr, pdl
 from strata.model.act_quant import RUN
 
-ORDER = {"Q4_K_R": 8, "Q8_0_R": 8, "Q5_1_R": 4, "Q6_K_R": 8}
-"""Per type, the span S of a word's bytes in its run: byte b of word w holds value S b + w (S = 8), or for S = 4
-value 4 b + w of the run's first 16 (words 0-3) and 16 + 4 b + (w - 4) of its last 16 (words 4-7)."""
+ORDER = gemv_rr.Q8X_ORDER
 
 UNIT_VALUES, UNIT_BYTES = gemv_rr.Q8X_UNIT
 RUNS_PER_PROGRAM = 16
@@ -83,7 +81,7 @@ def _quantize_kernel(x_ptr, q_ptr, RUNS, x_slot_stride, q_slot_stride, SPAN: tl.
 
 
 def quantize(x: torch.Tensor, kind: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x (rows, K) float, rows contiguous, as Q8 activations for weights of `kind` (a `gemv_rr.Q8X_TYPES` type):
+    """x (rows, K) float, rows contiguous, as Q8 activations for weights of `kind` (a `gemv_rr.Q8X_ORDER` type):
     (rows, `row_bytes(K)`) int8, in one launch (PDL: it waits for the kernel before, which may write x)."""
     if kind not in ORDER:
         raise ValueError(f"{kind}: no GEMV with Q8 activations (those are {', '.join(ORDER)})")
@@ -166,12 +164,11 @@ def gemv_experts_glu(xq: torch.Tensor, gate_data: torch.Tensor, up_data: torch.T
                      out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`G.gemv_experts_glu` with Q8 activations: xq has one row (every slot) or one per slot."""
     g, u = G._glu_weights(G.gemv_type(kind), gate_data, up_data, K, 3)
-    k_sel = expert_ids.shape[0]
+    k_sel, x_slot_stride = G._slots(xq, expert_ids, g)
     _check(xq, kind, K, g, (1, k_sel))
-    G._check_ids(expert_ids, g)
     out = G._out(out, (k_sel, g.shape[1]), g.device, out_dtype)
-    _run(kind, xq, g, expert_ids, out, g.shape[1], K, k_sel, g.stride(0), xq.stride(0) if xq.shape[0] > 1 else 0,
-         out.stride(0), u, u.stride(0))
+    _run(kind, xq, g, expert_ids, out, g.shape[1], K, k_sel, g.stride(0), x_slot_stride, out.stride(0), u,
+         u.stride(0))
     return out
 
 
@@ -180,13 +177,10 @@ def gemv_experts_sum(xq: torch.Tensor, w_data: torch.Tensor, expert_ids: torch.T
                      ids_settled: bool = False) -> torch.Tensor:
     """`G.gemv_experts_sum` with Q8 activations (one row of xq per slot, or one for all)."""
     w = G._weights(G.gemv_type(kind), w_data, K, 3)
-    k_sel = expert_ids.shape[0]
+    k_sel, x_slot_stride = G._slots(xq, expert_ids, w)
     _check(xq, kind, K, w, (1, k_sel))
-    G._check_ids(expert_ids, w)
-    if tuple(slot_weights.shape) != (k_sel,) or slot_weights.device != w.device or not slot_weights.is_contiguous():
-        raise ValueError(f"slot_weights: expected contiguous ({k_sel},) on {w.device}, got "
-                         f"{tuple(slot_weights.shape)} on {slot_weights.device}")
+    G._check_slot_weights(slot_weights, k_sel, w)
     out = G._out(out, (1, w.shape[1]), w.device, out_dtype)
-    _run(kind, xq, w, expert_ids, out, w.shape[1], K, k_sel, w.stride(0), xq.stride(0) if xq.shape[0] > 1 else 0,
-         0, slot_weights=slot_weights, ids_settled=ids_settled)
+    _run(kind, xq, w, expert_ids, out, w.shape[1], K, k_sel, w.stride(0), x_slot_stride, 0,
+         slot_weights=slot_weights, ids_settled=ids_settled)
     return out

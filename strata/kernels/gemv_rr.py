@@ -378,12 +378,12 @@ def _q6_k_r_q8x_fma(acc, raw, xp, sb0, s, c, k, base, ASM: tl.constexpr, XA: tl.
     u1 = ((v1 >> 4) & 0x0F0F0F0F) | ((vh >> 2) & 0x30303030)
     uw = xp + ((sb0 + s) * 2 + c // 2) * 40
     xw = uw + (c % 2) * 16 + k
-    xa, xb, xc, xd = tl.load(xw), tl.load(xw + 4), tl.load(xw + 8), tl.load(xw + 12)
-    ones = xa * 0 + 0x01010101
-    i0 = _q6_half(l0, xa & 0x0000FFFF, l1, xb & 0x0000FFFF, ones, ASM)
-    i1 = _q6_half(l0, xa & -65536, l1, xb & -65536, ones, ASM)  # -65536: 0xFFFF0000
-    i2 = _q6_half(u0, xc & 0x0000FFFF, u1, xd & 0x0000FFFF, ones, ASM)
-    i3 = _q6_half(u0, xc & -65536, u1, xd & -65536, ones, ASM)
+    x0, x1, x2, x3 = tl.load(xw), tl.load(xw + 4), tl.load(xw + 8), tl.load(xw + 12)
+    ones = x0 * 0 + 0x01010101
+    i0 = _q6_half(l0, x0 & 0x0000FFFF, l1, x1 & 0x0000FFFF, ones, ASM)
+    i1 = _q6_half(l0, x0 & -65536, l1, x1 & -65536, ones, ASM)  # -65536: 0xFFFF0000
+    i2 = _q6_half(u0, x2 & 0x0000FFFF, u1, x3 & 0x0000FFFF, ones, ASM)
+    i3 = _q6_half(u0, x2 & -65536, u1, x3 & -65536, ones, ASM)
     xd_lo, _ = _q8x_scales(uw, (c % 2) * 2)
     xd_hi, _ = _q8x_scales(uw, (c % 2) * 2 + 1)
     s0 = d * ((sw << 24) >> 24).to(tl.float32)  # the int8 scales of sub-blocks 4c .. 4c + 3
@@ -599,8 +599,10 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
         _store(optr, res, pid * BR + r, N * last)
 
 
-Q8X_TYPES = ("Q4_K_R", "Q8_0_R", "Q5_1_R", "Q6_K_R")
-"""The types with a K loop for Q8 activations (`XQ`)."""
+Q8X_ORDER = {"Q4_K_R": 8, "Q8_0_R": 8, "Q5_1_R": 4, "Q6_K_R": 8}
+"""The types with a K loop for Q8 activations (`XQ`), and the span S of a word's bytes in a run of x as each
+type's words hold their weights (`repack.py`): byte b of word w holds value S b + w (S = 8), or for S = 4 value
+4 b + w of the run's first 16 (words 0-3) and 16 + 4 b + (w - 4) of its last 16 (words 4-7)."""
 
 Q8X_UNIT = (128, 160)
 """(values, bytes) of a unit of Q8 activations as the kernel reads them (`strata.kernels.gemv_q8x.quantize`): the
@@ -705,9 +707,9 @@ def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None
     Strides in elements of each tensor (bytes for the weights). The caller (`gemv._launch`) checked `covers`
     and gives the split-K scratch (`part`, `cnt`: tickets) and `gemv._split_sum`; `ids_early`: the ids are
     settled (`_rr_kernel`'s IDS_EARLY); `q8x`: x holds Q8 activations (`strata.kernels.gemv_q8x`, strides in bytes
-    of its units), which `Q8X_TYPES` take."""
-    if q8x and kind not in Q8X_TYPES:
-        raise ValueError(f"{kind}: no GEMV with Q8 activations (those are {', '.join(Q8X_TYPES)})")
+    of its units), which `Q8X_ORDER`'s types take."""
+    if q8x and kind not in Q8X_ORDER:
+        raise ValueError(f"{kind}: no GEMV with Q8 activations (those are {', '.join(Q8X_ORDER)})")
     br, sbc, warps, split = shape
     glu = up is not None
     u = up if glu else w

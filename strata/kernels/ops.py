@@ -38,7 +38,7 @@ from strata.kernels.gemv import (GEMV_TYPE_NAMES, MAX_TOKENS, OUT_DTYPES, dequan
                                  gemv_experts_glu, gemv_experts_sum, gemv_glu)
 from strata.kernels import gemv_q8x, gemv_rr
 from strata.kernels.moe import slot_sum
-from strata.model.act_quant import DENSE_KINDS, round_q8
+from strata.model.act_quant import DENSE_KINDS, q8_input
 from strata.model.experts import experts_gather, experts_ref
 from strata.model.ops import Ops, embed_ref, linear_q8_ref, linear_ref, linears_ref, mlp_ref
 from strata.model.ple import decode_rows_ref
@@ -92,12 +92,6 @@ def _q8_types(kind: str, k: int, *mats: torch.Tensor) -> bool:
             and all(gemv_rr.covers(kind, 1, m, None, (m.stride(0),) if m.dim() == 3 else ()) for m in mats))
 
 
-def _rounded(x: torch.Tensor, kind: str, q8: bool) -> torch.Tensor:
-    """x as the product with weights of `kind` takes it: rounded to Q8 activations (in x's dtype, as
-    `linear_q8_ref` rounds) in the q8 mode when the weights are block-quantized, else x."""
-    return round_q8(x).to(x.dtype) if q8 and kind not in DENSE_KINDS else x
-
-
 def linear_blocks(x: torch.Tensor, data: torch.Tensor, kind: str, bias: StoredTensor | None = None,
                   q8: bool = False) -> torch.Tensor:
     """y = x W^T (+ b) by the GEMV from W's raw rows `data` of type `kind`; x (..., K) -> (..., N) in x's dtype.
@@ -108,7 +102,7 @@ def linear_blocks(x: torch.Tensor, data: torch.Tensor, kind: str, bias: StoredTe
     if q8 and bias is None and _q8_kernel(x, kind, data):
         y = gemv_q8x.gemv(gemv_q8x.quantize(_as_x(x, k), kind), data, kind, k, out_dtype=x.dtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])
-    x = _rounded(x, kind, q8)
+    x = q8_input(x, kind, q8)
     if bias is None and x.dtype in OUT_DTYPES:  # rounded to x's dtype at the store: no cast launch
         y = gemv(_as_x(x, k), data, kind, k, out_dtype=x.dtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -128,7 +122,7 @@ def linear_triton(x: torch.Tensor, w: StoredTensor, bias: StoredTensor | None = 
         return linear_blocks(x, raw[0], raw[1], bias, q8)
     dense = dense_on_device(x, w)
     if dense is not None:
-        x = _rounded(x, w.kind, q8)
+        x = q8_input(x, w.kind, q8)
         return F.linear(x, dense, bias.dense(x.dtype, x.device) if bias is not None else None)
     return linear_q8_ref(x, w, bias) if q8 else linear_ref(x, w, bias)
 
@@ -208,7 +202,7 @@ def mlp_triton(x: torch.Tensor, gate: StoredTensor, up: StoredTensor, down: Stor
         if q8 and _q8_kernel(x, g[1], g[0], u[0]):
             h = gemv_q8x.gemv_glu(gemv_q8x.quantize(_as_x(x, k), g[1]), g[0], u[0], g[1], k, out_dtype=x.dtype)
         else:
-            h = gemv_glu(_as_x(_rounded(x, g[1], q8), k), g[0], u[0], g[1], k, out_dtype=x.dtype)
+            h = gemv_glu(_as_x(q8_input(x, g[1], q8), k), g[0], u[0], g[1], k, out_dtype=x.dtype)
         return linear(h.reshape(*x.shape[:-1], h.shape[-1]), down)
     return mlp_ref(x, gate, up, down, linear)
 
@@ -236,8 +230,8 @@ def experts_blocks(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
                                       out_dtype=a.dtype)
         return gemv_q8x.gemv_experts_sum(gemv_q8x.quantize(h, down[1]), down[0], ids, top_w.reshape(-1).contiguous(),
                                          down[1], i_dim, out_dtype=a.dtype, ids_settled=SETTLED_IDS)
-    xg = _rounded(x, gate[1], q8)
-    xu = xg if (gate[1] in DENSE_KINDS) == (up[1] in DENSE_KINDS) else _rounded(x, up[1], q8)
+    xg = q8_input(x, gate[1], q8)
+    xu = xg if (gate[1] in DENSE_KINDS) == (up[1] in DENSE_KINDS) else q8_input(x, up[1], q8)
     # slots sorted by expert: the GEMM's tiles are runs of one expert's slots; the GEMV's programs of one expert
     # run back to back and find its weights in L2
     order = ids.argsort(stable=True) if n_tok > 1 else None
@@ -250,7 +244,7 @@ def experts_blocks(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
     if gate[1] == up[1] and a.dtype in OUT_DTYPES:
         # gate/up/SiLU in one launch; down over every slot in parallel (fp32), then the weighted sum over each
         # token's slots (a program looping over the slots itself serialises k dependent GEMVs: 8x slower)
-        h = _rounded(gemv_experts_glu(xg, gate[0], up[0], ids, gate[1], h_dim, out_dtype=a.dtype), down[1], q8)
+        h = q8_input(gemv_experts_glu(xg, gate[0], up[0], ids, gate[1], h_dim, out_dtype=a.dtype), down[1], q8)
         if n_tok == 1:  # one token (decode): the down projections and their weighted sum in one launch
             return gemv_experts_sum(h, down[0], ids, top_w.reshape(-1).contiguous(), down[1], i_dim,
                                     out_dtype=a.dtype, ids_settled=SETTLED_IDS)
@@ -258,7 +252,7 @@ def experts_blocks(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
     else:
         g = gemv_experts(xg, gate[0], ids, gate[1], h_dim)
         u = gemv_experts(xu, up[0], ids, up[1], h_dim)
-        y = gemv_experts(_rounded(F.silu(g) * u, down[1], q8), down[0], ids, down[1], i_dim)
+        y = gemv_experts(q8_input(F.silu(g) * u, down[1], q8), down[0], ids, down[1], i_dim)
     if order is not None:
         y = torch.empty_like(y).index_copy_(0, order, y)
     return slot_sum(y, top_w.reshape(n_tok, k), a.dtype)
@@ -268,7 +262,7 @@ def _experts_grouped(x: torch.Tensor, ids_sorted: torch.Tensor, order: torch.Ten
                      gate: tuple[torch.Tensor, str], up: tuple[torch.Tensor, str], down: tuple[torch.Tensor, str],
                      dtype: torch.dtype, x_up: torch.Tensor | None = None, q8: bool = False) -> torch.Tensor:
     """`experts_blocks` by the grouped GEMM: x (tokens, H) (x_up: the up products' x, where it differs), the
-    slots' expert ids sorted and the sorting order; q8: the down products' input rounded (`_rounded`)."""
+    slots' expert ids sorted and the sorting order; q8: the down products' input rounded (`q8_input`)."""
     n_tok, k = top_w.shape
     n_exp = gate[0].shape[0]
     bm = tile_rows(ids_sorted.numel(), n_exp)
@@ -277,7 +271,7 @@ def _experts_grouped(x: torch.Tensor, ids_sorted: torch.Tensor, order: torch.Ten
         h = experts_gemm_glu(x, gate[0], up[0], tiles, order // k, gate[1], x.shape[1], bm, dtype)
     else:
         h = _glu_apart(x, gate, up, tiles, order // k, x.shape[1], bm, dtype, x_up)
-    h = _rounded(h, down[1], q8)
+    h = q8_input(h, down[1], q8)
     y = experts_gemm(h, down[0], tiles, order, down[1], h.shape[1], bm)
     return slot_sum(y, top_w, dtype)
 

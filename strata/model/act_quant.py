@@ -48,3 +48,9 @@ def round_q8(x: torch.Tensor) -> torch.Tensor:
     """x rounded to Q8 activations, as fp32 (`dequantize_q8(quantize_q8(x))`)."""
     q, d, _ = quantize_q8(x)
     return dequantize_q8(q, d)
+
+
+def q8_input(x: torch.Tensor, kind: str, q8: bool = True) -> torch.Tensor:
+    """The input a product with weights of storage type `kind` takes: with `q8`, x rounded (`round_q8`, then to
+    x's dtype) when the weights are block-quantized; else x itself."""
+    return round_q8(x).to(x.dtype) if q8 and kind not in DENSE_KINDS else x

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from strata.model.act_quant import DENSE_KINDS, round_q8
+from strata.model.act_quant import q8_input
 from strata.weights.tensor import StoredTensor
 
 
@@ -29,13 +29,10 @@ def experts_gather(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, ga
     each product's input rounded as `strata.model.ops.linear_q8_ref` rounds it."""
     dt = a.dtype
     g, u, d = gate.dense(dt, a.device), up.dense(dt, a.device), down.dense(dt, a.device)
-
-    def rounded(x: torch.Tensor, w: StoredTensor) -> torch.Tensor:
-        return round_q8(x).to(dt) if q8 and w.kind not in DENSE_KINDS else x
-    ag, au = rounded(a, gate), rounded(a, up)
+    ag, au = q8_input(a, gate.kind, q8), q8_input(a, up.kind, q8)
     out = torch.zeros_like(a)
     for j in range(top_i.shape[1]):
         e = top_i[:, j]
         h = F.silu(torch.einsum("lih,lh->li", g[e], ag)) * torch.einsum("lih,lh->li", u[e], au)
-        out = out + (torch.einsum("lhi,li->lh", d[e], rounded(h, down)) * top_w[:, j, None]).to(dt)
+        out = out + (torch.einsum("lhi,li->lh", d[e], q8_input(h, down.kind, q8)) * top_w[:, j, None]).to(dt)
     return out

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from strata.model.act_quant import DENSE_KINDS, round_q8
+from strata.model.act_quant import q8_input
 from strata.model.attention import attend_ref
 from strata.model.experts import experts_ref
 from strata.model.gdn import gdn_core_ref
@@ -34,9 +34,7 @@ def linear_ref(x: torch.Tensor, w: StoredTensor, bias: StoredTensor | None = Non
 def linear_q8_ref(x: torch.Tensor, w: StoredTensor, bias: StoredTensor | None = None) -> torch.Tensor:
     """`linear_ref` with Q8 activations: x rounded by `act_quant.round_q8` (then to x's dtype) when W is
     block-quantized, as llama.cpp's GPU matmuls round theirs; dense weights keep x as it is."""
-    if w.kind in DENSE_KINDS:
-        return linear_ref(x, w, bias)
-    return linear_ref(round_q8(x).to(x.dtype), w, bias)
+    return linear_ref(q8_input(x, w.kind), w, bias)
 
 
 def linears_ref(x: torch.Tensor, ws: Sequence[StoredTensor], biases: Sequence[StoredTensor | None],

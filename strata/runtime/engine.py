@@ -63,7 +63,6 @@ class Engine:
             raise StrataError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         if ops is not None and activations != "float":
             raise StrataError("activations: give either an op table or an activation mode, not both")
-        self.activations = activations
         if self.device.type == "cuda":
             from strata.runtime.placement import fast_ops, place
 
