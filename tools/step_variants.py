@@ -97,16 +97,20 @@ BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attent
 PREFILL = {"chunk": 512}  # the prefill's chunk size for the variant being measured
 
 
-def _frozen_select(scores, positions, k, c, *a, **kw):
-    """The selection's outputs of the warm-up, reused while the step is being captured (no launch)."""
-    key = (tuple(scores.shape), k, c)
-    if not torch.cuda.is_current_stream_capturing():
-        out = BASE["select_blocks_ranked"](scores, positions, k, c)
-        _frozen_select.cache[key] = (out[0].clone(), out[1].clone())
-    return _frozen_select.cache[key]
+def _frozen(fn, nargs: int):
+    """`fn` of its first `nargs` arguments run only while not capturing; the captured step reuses the warm-up's
+    outputs (cloned; one entry per argument shapes and values, whatever layer), so the launch is left out of the
+    graph and a probe bounds what a faster kernel there could gain."""
+    cache = {}
 
-
-_frozen_select.cache = {}
+    def frozen(*args, **_):
+        args = args[:nargs]
+        key = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args)
+        if not torch.cuda.is_current_stream_capturing():
+            out = fn(*args)
+            cache[key] = tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
+        return cache[key]
+    return frozen
 
 
 def _frozen_shared(x, fns):
@@ -120,30 +124,6 @@ def _frozen_shared(x, fns):
 
 
 _frozen_shared.cache = {}
-
-
-def _frozen_route(logits, k, norm):
-    """The routing's outputs of the warm-up (every layer gets the same experts), reused while capturing."""
-    key = (tuple(logits.shape), k)
-    if not torch.cuda.is_current_stream_capturing():
-        i, w = moe.route(logits, k, norm)
-        _frozen_route.cache[key] = (i.clone(), w.clone())
-    return _frozen_route.cache[key]
-
-
-_frozen_route.cache = {}
-
-
-def _frozen_quantize(x, kind, out=None):
-    """`gemv_q8x.quantize` run only while not capturing; the captured step reuses the warm-up's units (one buffer
-    per shape and type, whatever layer): bounds what Q8 units written by their producers could gain."""
-    key = (tuple(x.shape), kind)
-    if not torch.cuda.is_current_stream_capturing():
-        _frozen_quantize.cache[key] = BASE["quantize"](x, kind, out).clone()
-    return _frozen_quantize.cache[key]
-
-
-_frozen_quantize.cache = {}
 
 
 def _shape_override(kind: str, n_chunks: int, lo: int, hi: int, shape: tuple[int, ...]):
@@ -213,7 +193,7 @@ def _apply_one(variant: str) -> dict:
     if name == "base":
         return {}
     if name == "route" and args == ["removed"]:
-        return {"route": _frozen_route}
+        return {"route": _frozen(moe.route, 3)}
     if name == "gemv-type" and len(args) == 2:
         rows, warps, split = (int(v) for v in args[1].split(","))
         t = dataclasses.replace(kernel_gemv.GEMV_TYPE_NAMES[args[0]], small=(rows, warps) if rows else None,
@@ -247,7 +227,7 @@ def _apply_one(variant: str) -> dict:
         q8 = fast_ops(streams=True, activations="q8")
         return {n: getattr(q8, n) for n in ("linear", "linears", "mlp", "experts")}
     elif name == "quantize" and args == ["removed"]:
-        gemv_q8x.quantize = _frozen_quantize
+        gemv_q8x.quantize = _frozen(BASE["quantize"], 3)
     elif name == "x-widen" and args in (["0"], ["1"]):
         gemv_rr.WIDEN_X_ASM = args[0] == "1"
     elif name == "shared" and args == ["removed"]:
@@ -257,7 +237,7 @@ def _apply_one(variant: str) -> dict:
     elif name == "ids-early" and args == ["off"]:
         kernel_ops.SETTLED_IDS = False
     elif name == "select" and args == ["removed"]:
-        attention.select_blocks_ranked = _frozen_select
+        attention.select_blocks_ranked = _frozen(BASE["select_blocks_ranked"], 4)
     elif name == "select" and args == ["radix"]:
         attention.RANK_SELECT_MAX_BLOCKS = 0
     elif name == "select" and args[:1] == ["ranked"] and len(args) == 3:
