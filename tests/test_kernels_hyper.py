@@ -26,7 +26,7 @@ import pytest
 import torch
 import triton  # noqa: F401  (fails the module when Triton is missing)
 
-from strata.kernels import hyper
+from strata.kernels import gemv_q8x, hyper
 from strata.model.hyper import hc_read_ref
 from strata.model.ops import linear_ref
 from strata.weights.tensor import DenseTensor
@@ -44,6 +44,8 @@ class PoisonedTorch:
     @staticmethod
     def empty(*size, **kw):
         t = torch.empty(*size, **kw)
+        if t.dtype == torch.int8:  # Q8 units: -128 is no quantized value, and as scale bytes no scale
+            return t.fill_(-128)
         return t.fill_(math.nan) if t.is_floating_point() else t
 
 
@@ -175,3 +177,37 @@ def test_defaults_at_the_real_geometry():
         assert d[k] & (d[k] - 1) == 0
     down_programs = (-(-R // d["block_rows"]) + -(-S // d["block_rows"])) * S * -(-H // d["block_k"])
     assert down_programs >= 2 * sms and -(-H // d["block_h"]) >= 2 * sms
+
+
+@pytest.mark.parametrize("block_h", [4, 32, 64])  # 8 programs per run (tickets), one, two runs per program
+@pytest.mark.parametrize("write", [False, True])
+def test_q8_units_are_the_quantized_output(block_h, write):
+    """With q8_span the up kernel also writes a as Q8 units: the bytes `gemv_q8x.quantize` makes of a, every one
+    written (the int8 scratch is poisoned), a itself unchanged; `quantize` of a, or of a view of all of it,
+    returns them without a launch, twice in a row (the tickets were put back). A consumer of another span, or a
+    changed in place, gets a fresh quantization."""
+    S, H, R = 4, 256, 24
+    x, norm, down, up, inject = make(S, H, R, torch.bfloat16, seed=block_h + write)
+    args = (norm, down, up, inject, S, EPS)
+    knobs = {"block_rows": 8, "block_k": 64, "block_h": block_h}
+    wr = (inject.tensor[:, 0].reshape(1, S).float().sigmoid().to(torch.bfloat16), x[:, :H].flip(-1)) if write else ()
+    call = hyper.hc_write_read if write else hyper.hc_read
+    plain = call(x, *wr, *args, **knobs)
+    for _ in range(2):
+        got = call(x, *wr, *args, **knobs, q8_span=hyper.Q8_SPAN)
+        assert all(torch.equal(g, p) for g, p in zip(got, plain, strict=True))
+        a = got[-2]
+        units = gemv_q8x.quantize(a, "Q8_0_R")
+        assert torch.equal(units, gemv_q8x.quantize(a.clone(), "Q8_0_R"))
+        assert gemv_q8x.quantize(a.reshape(1, H), "Q4_K_R") is units
+        assert gemv_q8x.quantize(a, "Q5_1_R") is not units
+        a.mul_(1)
+        assert gemv_q8x.quantize(a, "Q8_0_R") is not units
+
+
+def test_q8_units_need_a_hidden_size_of_whole_units():
+    """H not a multiple of 128 (a unit): no units are written or recorded, `quantize` launches."""
+    S, H, R = 2, 96, 16
+    x, norm, down, up, inject = make(S, H, R, torch.float32, seed=3)
+    a, _ = hyper.hc_read(x, norm, down, up, inject, S, EPS, q8_span=hyper.Q8_SPAN)
+    assert gemv_q8x._emitted(a, hyper.Q8_SPAN) is None

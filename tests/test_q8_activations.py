@@ -46,11 +46,16 @@ def test_model_decodes_with_q8_activations_as_the_reference(monkeypatch) -> None
     monkeypatch.setattr(gemv_rr, "launch_shape", lambda *a: (lambda s: (16 * s[0], *s[1:]))(shape(*a)))
     calls = reference.count_calls(monkeypatch, {n: (gemv_q8x, n) for n in (
         "quantize", "gemv", "gemv_glu", "gemv_experts_glu", "gemv_experts_sum")})
+    hits = []  # quantize calls served by the units an HC read wrote (`fused_ops(q8=True)`)
+    lookup = gemv_q8x._emitted
+    monkeypatch.setattr(gemv_q8x, "_emitted", lambda *a: (lambda u: hits.append(u is not None) or u)(lookup(*a)))
     ref = Engine(w, activations="q8")
-    fast = Engine(placed, ops=fused_ops(K_OPS.triton_ops(with_activations(Ops(), "q8"), q8=True), force=True))
+    fast = Engine(placed, ops=fused_ops(K_OPS.triton_ops(with_activations(Ops(), "q8"), q8=True), force=True,
+                                        q8=True))
     ids = torch.randint(2, w.cfg.vocab_size, (5,), generator=torch.Generator().manual_seed(3)).tolist()
     reference.assert_decodes_match(ref, fast, ids, prompt=2, capacity=8)
     assert all(calls.values()), calls  # the projections, the shared and the routed experts all took the kernels
+    assert any(hits) and not all(hits), hits  # the HC reads' outputs took no quantize launch; the rest did
     # the mode changes the model's output: float activations give other logits
     plain = reference.decode_logits(Engine(w), ids, 2)
     rounded = reference.decode_logits(ref, ids, 2)

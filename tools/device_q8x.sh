@@ -23,7 +23,8 @@ python tools/gpu_check_model.py --activations q8 ${fixtures:+--fixtures "$fixtur
 echo "(exit ${PIPESTATUS[0]})"
 echo "== the 4K step: float against q8, back to back"
 python tools/step_variants.py --commit "$commit" --out "$out/step-variants-q8-$commit.json" \
-    base activations:q8 base activations:q8 activations:q8+late:quantize:1 activations:q8+quantize:removed 2>&1 | quiet
+    base activations:q8 base activations:q8 activations:q8+q8-units:off activations:q8+late:quantize:1 \
+    activations:q8+quantize:removed 2>&1 | quiet
 echo "(exit ${PIPESTATUS[0]})"
 echo "== decode bench in the q8 mode (synthetic real geometry)"
 python -m strata.cli.main bench --activations q8 --contexts "$contexts" --prefill-tokens 512 --no-stages \

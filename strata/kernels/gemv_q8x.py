@@ -20,6 +20,8 @@ fp32 summation order, which the tests check against float64.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
@@ -41,6 +43,39 @@ def row_bytes(k: int) -> int:
     return k // UNIT_VALUES * UNIT_BYTES
 
 
+_EMITTED: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+
+
+def emitted(x: torch.Tensor, units: torch.Tensor, span: int) -> None:
+    """Record that x's producer also wrote x as Q8 units for words of `span` (`ORDER`) into `units`, in the
+    launch that wrote x: `quantize` of x (or of a view of all of it) then returns them and launches nothing.
+    The record dies with x and no longer applies once x is changed in place by torch (its version counter
+    moves; inference tensors have none, and the model changes no op's output in place)."""
+    key = x.data_ptr()
+
+    def forget(ref: weakref.ref, key: int = key) -> None:
+        if _EMITTED.get(key, (None,))[0] is ref:
+            del _EMITTED[key]
+
+    _EMITTED[key] = (weakref.ref(x, forget), _version(x), span, units)
+
+
+def _version(x: torch.Tensor) -> int | None:
+    return None if x.is_inference() else x._version
+
+
+def _emitted(x: torch.Tensor, span: int) -> torch.Tensor | None:
+    """The units `emitted` recorded for x (rows, K) and `span`, or None."""
+    e = _EMITTED.get(x.data_ptr())
+    t = e[0]() if e is not None else None
+    if (t is None or e[2] != span or _version(x) != e[1] or _version(t) != e[1] or x.dtype != t.dtype
+            or x.numel() != t.numel() or not x.is_contiguous()
+            or x.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+            or tuple(e[3].shape) != (x.shape[0], row_bytes(x.shape[1]))):
+        return None
+    return e[3]
+
+
 def source_index(span: int) -> torch.Tensor:
     """[32] int64: the run value each byte of a quantized run holds, for words of span `span` (`ORDER`)."""
     p = torch.arange(RUN)
@@ -49,14 +84,11 @@ def source_index(span: int) -> torch.Tensor:
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, RUNS, x_slot_stride, q_slot_stride, SPAN: tl.constexpr, RB: tl.constexpr,
-                     GDC: tl.constexpr = False, LATE: tl.constexpr = False):
-    """RB runs of one row of x (program (i, row)) rounded to Q8 (`act_quant.quantize_q8`, the same divisions) and
-    stored as units (`gemv_rr.Q8X_UNIT`), each run's bytes in the order of SPAN (`ORDER`). The GEMV after it is
-    let in first (it loads its weights meanwhile), or with LATE after the wait (`pdl.LATE_RELEASE["quantize"]`)."""
-    pdl.enter(GDC, LATE)
-    slot = tl.program_id(1).to(tl.int64)
-    run = tl.program_id(0) * RB + tl.arange(0, RB)[:, None]
+def store_runs(x_ptr, q_ptr, run, ok, SPAN: tl.constexpr, RB: tl.constexpr, CG: tl.constexpr = False):
+    """Runs `run` ([RB, 1] run indices, `ok` those that exist) of one row of x (`x_ptr`, float) rounded to Q8
+    (`act_quant.quantize_q8`, the same divisions) and stored as that row's units (`q_ptr`, `gemv_rr.Q8X_UNIT`),
+    each run's bytes in the order of SPAN (`ORDER`). CG: x is loaded past L1 (other programs of the launch wrote
+    it: `strata.kernels.hyper`'s up kernel)."""
     p = tl.arange(0, 32)[None, :]
     w = p // 4
     b = p % 4
@@ -64,8 +96,10 @@ def _quantize_kernel(x_ptr, q_ptr, RUNS, x_slot_stride, q_slot_stride, SPAN: tl.
         src = 8 * b + w
     else:
         src = (w // 4) * 16 + 4 * b + w % 4
-    ok = run < RUNS
-    v = tl.load(x_ptr + slot * x_slot_stride + run * 32 + src, mask=ok, other=0.0).to(tl.float32)
+    if CG:
+        v = tl.load(x_ptr + run * 32 + src, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    else:
+        v = tl.load(x_ptr + run * 32 + src, mask=ok, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(v), axis=1)[:, None]
     d = tl.div_rn(amax, tl.full([RB, 1], 127.0, tl.float32))
     pos = d > 0
@@ -73,16 +107,28 @@ def _quantize_kernel(x_ptr, q_ptr, RUNS, x_slot_stride, q_slot_stride, SPAN: tl.
     q = (r + tl.where(r < 0, -0.5, 0.5)).to(tl.int32)
     q = tl.minimum(tl.maximum(q, -127), 127)
     s = d * tl.sum(q, axis=1)[:, None].to(tl.float32)
-    base = q_ptr + slot * q_slot_stride + (run // 4) * 160
+    base = q_ptr + (run // 4) * 160
     tl.store(base + (run % 4) * 32 + p, q.to(tl.int8), mask=ok)
     dp = (base + 128 + (run % 4) * 8).to(tl.pointer_type(tl.float32))
     tl.store(dp, d, mask=ok)
     tl.store(dp + 1, s, mask=ok)
 
 
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, RUNS, x_slot_stride, q_slot_stride, SPAN: tl.constexpr, RB: tl.constexpr,
+                     GDC: tl.constexpr = False, LATE: tl.constexpr = False):
+    """RB runs of one row of x (program (i, row)) as Q8 units (`store_runs`). The GEMV after it is let in first
+    (it loads its weights meanwhile), or with LATE after the wait (`pdl.LATE_RELEASE["quantize"]`)."""
+    pdl.enter(GDC, LATE)
+    slot = tl.program_id(1).to(tl.int64)
+    run = tl.program_id(0) * RB + tl.arange(0, RB)[:, None]
+    store_runs(x_ptr + slot * x_slot_stride, q_ptr + slot * q_slot_stride, run, run < RUNS, SPAN, RB)
+
+
 def quantize(x: torch.Tensor, kind: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """x (rows, K) float, rows contiguous, as Q8 activations for weights of `kind` (a `gemv_rr.Q8X_ORDER` type):
-    (rows, `row_bytes(K)`) int8, in one launch (PDL: it waits for the kernel before, which may write x)."""
+    (rows, `row_bytes(K)`) int8, in one launch (PDL: it waits for the kernel before, which may write x); without
+    `out`, the units x's producer wrote (`emitted`) where there are some, with no launch."""
     if kind not in ORDER:
         raise ValueError(f"{kind}: no GEMV with Q8 activations (those are {', '.join(ORDER)})")
     if x.dim() != 2 or x.stride(-1) != 1 or not x.dtype.is_floating_point:
@@ -91,6 +137,9 @@ def quantize(x: torch.Tensor, kind: str, out: torch.Tensor | None = None) -> tor
     rows, k = x.shape
     shape = (rows, row_bytes(k))
     if out is None:
+        units = _emitted(x, ORDER[kind])
+        if units is not None:
+            return units
         out = torch.empty(shape, dtype=torch.int8, device=x.device)
     elif tuple(out.shape) != shape or out.dtype != torch.int8 or out.stride(-1) != 1 or out.device != x.device:
         raise ValueError(f"Q8 activations: out must be {shape} int8 with contiguous rows on {x.device}, got "

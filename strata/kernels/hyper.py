@@ -39,13 +39,18 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels import pdl
+from strata.kernels import gemv_q8x, pdl
 from strata.kernels.attention import sm_count
 from strata.kernels.gemv import tickets
+from strata.kernels.gemv_q8x import store_runs
 from strata.weights.tensor import StoredTensor
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 DENSE_KINDS = ("F32", "BF16", "F16")  # stored kinds `.dense` returns without dequantising
+Q8_SPAN = gemv_q8x.ORDER["Q8_0_R"]
+"""The word span of the Q8 units an HC read writes in the Q8-activation mode: that of every matrix GPU placement
+stores to read a block input (the Q8_0_R projections and shared expert, the Q4_K_R routed experts, the Q6_K_R
+head)."""
 STATS_BLOCK = 2048  # x values per statistics load: bounds the registers the inverse-RMS pass holds
 
 
@@ -134,17 +139,19 @@ def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, wi_p
 
 
 @triton.jit
-def _hc_up_kernel(x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, m_ptr, a_ptr, iota_ptr, H, R, NI, RT,
-                  S: tl.constexpr, SP: tl.constexpr, NKC: tl.constexpr, BH: tl.constexpr, RC: tl.constexpr,
+def _hc_up_kernel(x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, m_ptr, a_ptr, iota_ptr, xq_ptr, qcnt_ptr, H, R, NI,
+                  RT, S: tl.constexpr, SP: tl.constexpr, NKC: tl.constexpr, BH: tl.constexpr, RC: tl.constexpr,
                   NRC: tl.constexpr, NIP: tl.constexpr, DT: tl.constexpr, TICKETS: tl.constexpr,
-                  GDC: tl.constexpr = False, LATE: tl.constexpr = False):
+                  Q8: tl.constexpr = 0, GDC: tl.constexpr = False, LATE: tl.constexpr = False):
     """a[i] = mean_s GN(x)[s, i] * sigma((W_up m)[s*H + i]) for BH features i, m = SiLU((sum of the down
     partials) / S); the last program also writes iota = 2 sigma((sum of the inject partials) / S). The loads
     come first for the same reason as in the down kernel; the loop over NRC column chunks has no barrier, so
     the compiler may issue all chunks' loads together, but that is its choice (NRC = 1 leaves it none).
     GDC (PDL): the norm scales and the first column chunk of W_up are loaded before the wait for the down
     kernel, everything it wrote after. TICKETS: the down kernel finished m and iota (see there); m is loaded.
-    LATE: `pdl.LATE_RELEASE`."""
+    LATE: `pdl.LATE_RELEASE`. Q8 (a word span of `gemv_q8x.ORDER`, 0: none): a is also stored as Q8 units
+    (`gemv_q8x.store_runs`) to xq, each run of 32 features by the last of its programs to draw a ticket from
+    qcnt (BH < 32), or by its program (BH >= 32)."""
     if not LATE:
         pdl.started(GDC)
     pid = tl.program_id(0)
@@ -190,6 +197,17 @@ def _hc_up_kernel(x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, m_ptr, a_ptr, iot
     xn = (xv * rs[:, None] * nv).to(DT).to(tl.float32)
     prod = tl.where(fm, (gate * xn).to(DT).to(tl.float32), 0.0)
     tl.store(a_ptr + i, tl.math.div_rn(tl.sum(prod, axis=0), S).to(DT), mask=i < H)
+    if Q8 > 0:
+        tl.debug_barrier()  # every thread's features are stored before the run is read back
+        if BH < 32:
+            run = pid // (32 // BH)
+            if tl.atomic_add(qcnt_ptr + run, 1, sem="acq_rel", scope="gpu") == 32 // BH - 1:
+                rr = run + tl.zeros([1, 1], tl.int32)
+                store_runs(a_ptr, xq_ptr, rr, rr >= 0, Q8, 1, CG=True)
+                tl.atomic_xchg(qcnt_ptr + run, 0, sem="relaxed", scope="gpu")  # back to 0 for the next launch
+        else:
+            rr = pid * (BH // 32) + tl.arange(0, BH // 32)[:, None]
+            store_runs(a_ptr, xq_ptr, rr, rr < H // 32, Q8, BH // 32, CG=True)
     if (NIP > 0) and not TICKETS:
         yi = pi.to(DT).to(tl.float32)
         yi = tl.math.div_rn(yi, S).to(DT).to(tl.float32)
@@ -268,7 +286,7 @@ def hc_read(x: torch.Tensor, norm: torch.Tensor, down: StoredTensor, up: StoredT
             inject: StoredTensor | None, streams: int, eps: float, block_rows: int | None = None,
             block_h: int | None = None, *, block_k: int | None = None, block_r: int | None = None,
             warps_down: int | None = None, warps_up: int | None = None, finish_in_down: bool = True,
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            q8_span: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Block input a (1, H) and injection weights (1, S) (None without `inject`) from the state x (1, S*H).
 
     Tuning knobs, powers of two (None: `hc_read_defaults`, from the SM count and the shapes): `block_rows`
@@ -276,9 +294,14 @@ def hc_read(x: torch.Tensor, norm: torch.Tensor, down: StoredTensor, up: StoredT
     per stream); `block_h` output features per up program (times S weight rows); `block_r` W_up columns per up
     tile (< R: several chunks, less padding of R, more load instructions); `warps_down`, `warps_up` warps per
     program; `finish_in_down` (default): the down kernel's last program of each row block sums its partials
-    (split-K tickets, `gemv.tickets`; False, or no counters left: every up program sums them)."""
+    (split-K tickets, `gemv.tickets`; False, or no counters left: every up program sums them).
+
+    q8_span (a word span of `gemv_q8x.ORDER`): the up kernel also writes a as Q8 activations for words of that
+    span and records them (`gemv_q8x.emitted`), so the Q8 GEMVs that read a (`--activations q8`) need no
+    quantize launch; where the shapes or the ticket counters do not allow it, nothing is recorded and they
+    quantize a themselves."""
     _, a, iota = _launch(x, None, norm, down, up, inject, streams, eps, block_rows, block_h, block_k, block_r,
-                         warps_down, warps_up, finish_in_down)
+                         warps_down, warps_up, finish_in_down, q8_span)
     return a, iota
 
 
@@ -286,16 +309,29 @@ def hc_write_read(x: torch.Tensor, inject_prev: torch.Tensor, y: torch.Tensor, n
                   down: StoredTensor, up: StoredTensor, inject: StoredTensor | None, streams: int, eps: float,
                   block_rows: int | None = None, block_h: int | None = None, *, block_k: int | None = None,
                   block_r: int | None = None, warps_down: int | None = None, warps_up: int | None = None,
-                  finish_in_down: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                  finish_in_down: bool = True, q8_span: int | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The write x' = x + inject_prev (1, S) x y (1, H) folded into the read of x', in the read's two launches
     (the twin of `strata.model.hyper.hc_write_read_ref`): (x' (1, S*H), a, injection weights | None). The
-    down programs form x' where they read x; the up kernel reads the x' they stored. Knobs as `hc_read`."""
+    down programs form x' where they read x; the up kernel reads the x' they stored. Knobs and q8_span as
+    `hc_read`."""
     return _launch(x, (inject_prev, y), norm, down, up, inject, streams, eps, block_rows, block_h, block_k,
-                   block_r, warps_down, warps_up, finish_in_down)
+                   block_r, warps_down, warps_up, finish_in_down, q8_span)
+
+
+def _q8_counters(dev: torch.device, span: int | None, hidden: int, block_h: int) -> torch.Tensor | None:
+    """The ticket counters the up kernel's Q8 units need (any tensor where its programs need none), or None when
+    it writes no units: none asked for, a hidden size the units do not tile, or no counters left."""
+    if span is None or hidden % gemv_q8x.UNIT_VALUES or (block_h > 32 and hidden % block_h):
+        return None
+    if block_h >= 32:
+        return torch.empty(1, dtype=torch.int32, device=dev)
+    cnt = tickets(dev)
+    return cnt if cnt is not None and cnt.numel() >= hidden // 32 else None
 
 
 def _launch(x, write, norm, down, up, inject, streams, eps, block_rows, block_h, block_k, block_r, warps_down,
-            warps_up, finish_in_down=True):
+            warps_up, finish_in_down=True, q8_span=None):
     """Both launches of the read, of x (write None) or of x + round(inject_prev * y) (write = (inject_prev,
     y)): (x' or None, a, iota or None)."""
     dt, dev = x.dtype, x.device
@@ -333,14 +369,18 @@ def _launch(x, write, norm, down, up, inject, streams, eps, block_rows, block_h,
     m = torch.empty(R, dtype=torch.float32, device=dev)
     a = torch.empty(1, H, dtype=dt, device=dev)
     iota = torch.empty(1, max(ni, 1), dtype=dt, device=dev)
+    qcnt = _q8_counters(dev, q8_span, H, bh)
+    xq = torch.empty(1, gemv_q8x.row_bytes(H), dtype=torch.int8, device=dev) if qcnt is not None else None
     _hc_down_kernel[(row_blocks, nkc)](
         x, norm, wd, wi, part, rstd, inj_prev, y, x_new, cnt if cnt is not None else rstd, m, iota,
         H, R, ni, rt, nrbd, eps,
         S=S, KPS=kps, BR=br, BK=bk, HB=hb, NHB=triton.cdiv(H, hb), DT=TL_DTYPES[dt], WRITE=write is not None,
         TICKETS=cnt is not None, num_warps=warps_down or d["warps_down"], **pdl.launch(dev, "hc_down"))
     _hc_up_kernel[(triton.cdiv(H, bh),)](
-        x_new, norm, rstd, wu, part, m, a, iota, H, R, ni, rt,
-        S=S, SP=triton.next_power_of_2(S), NKC=nkc, BH=bh, RC=rc, NRC=triton.cdiv(R, rc),
+        x_new, norm, rstd, wu, part, m, a, iota, xq if xq is not None else m, qcnt if qcnt is not None else rstd,
+        H, R, ni, rt, S=S, SP=triton.next_power_of_2(S), NKC=nkc, BH=bh, RC=rc, NRC=triton.cdiv(R, rc),
         NIP=triton.next_power_of_2(ni) if ni else 0, DT=TL_DTYPES[dt], TICKETS=cnt is not None,
-        num_warps=warps_up or d["warps_up"], **pdl.launch(dev, "hc_up"))
+        Q8=q8_span if xq is not None else 0, num_warps=warps_up or d["warps_up"], **pdl.launch(dev, "hc_up"))
+    if xq is not None:
+        gemv_q8x.emitted(a, xq, q8_span)
     return (x_new if write is not None else None), a, (iota if inject is not None else None)

@@ -163,5 +163,6 @@ def fast_ops(base: Ops | None = None, streams: bool = True, activations: str = "
         raise StrataError(f"the GPU path needs Triton ({e}); install it with: pip install -e '.[gpu]'") from e
     from strata.runtime.streams import SideStreams
 
-    fast = fused_ops(triton_ops(ops, q8=activations == "q8"))
+    q8 = activations == "q8"
+    fast = fused_ops(triton_ops(ops, q8=q8), q8=q8)
     return dataclasses.replace(fast, branches=SideStreams()) if streams else fast
