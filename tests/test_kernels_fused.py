@@ -101,6 +101,56 @@ def test_gdn_step_one_launch_equals_two(monkeypatch, order, gate, dtype, K, bloc
     assert torch.equal(one.conv[:, -1], x[0])  # the last token is the window's last tap
 
 
+class _PoisonedUnits:
+    """`torch` for the GDN module, except that int8 `empty` tensors (Q8 units) are filled with -128, which no
+    quantized value or scale byte pattern the tests meet holds: a unit byte left unwritten shows."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*size, **kw):
+        t = torch.empty(*size, **kw)
+        return t.fill_(-128) if t.dtype == torch.int8 else t
+
+
+@pytest.mark.parametrize("dtype,block_v", [(torch.bfloat16, 8), (torch.float32, 32)])
+def test_gdn_step_q8_units_are_the_quantized_output(monkeypatch, dtype, block_v):
+    """With q8_span the program that normalises a head also writes it as Q8 units: `gemv_q8x.quantize`'s bytes
+    of the output, which `quantize` of it then returns without a launch; output and state are the bits of the
+    step without units. Without tickets (the two-launch path) or with nv * dv not a multiple of 128 nothing is
+    recorded."""
+    from strata.kernels import gemv_q8x
+
+    monkeypatch.setattr(gdn, "torch", _PoisonedUnits())
+    cfg = config(linear_num_key_heads=2, linear_num_value_heads=4, linear_value_head_dim=32)
+    g = torch.Generator().manual_seed(9)
+    C, nv, dk, dv, K = (cfg.gdn_conv_dim, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                        cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim)
+    rnd = lambda *s: torch.randn(*s, generator=g)
+    prm = GDNParams(rnd(C, K) * 0.5, -torch.rand(nv, generator=g) * 2, rnd(nv), rnd(dv), "grouped")
+    plain = GDNState(rnd(C, K - 1).to(dtype), rnd(nv, dk, dv))
+    units = plain.clone()
+    for _ in range(2):
+        x, z, b, a = (t.to(dtype) for t in (rnd(1, C), rnd(1, nv * dv), rnd(1, nv), rnd(1, nv) * 4))
+        want = gdn.gdn_step(x, z, b, a, prm, plain, cfg, block_v=block_v)
+        got = gdn.gdn_step(x, z, b, a, prm, units, cfg, block_v=block_v, q8_span=8)
+        assert torch.equal(got, want) and torch.equal(units.recurrent, plain.recurrent)
+        xq = gemv_q8x.quantize(got, "Q8_0_R")
+        assert torch.equal(xq, gemv_q8x.quantize(got.clone(), "Q8_0_R"))
+        assert gemv_q8x.quantize(got, "Q4_K_R") is xq
+    monkeypatch.setattr(gdn, "tickets", lambda device: None)
+    out = gdn.gdn_step(x, z, b, a, prm, units, cfg, block_v=block_v, q8_span=8)
+    assert gemv_q8x._emitted(out, 8) is None
+    monkeypatch.undo()
+    cfg = config(linear_num_key_heads=1, linear_num_value_heads=3, linear_value_head_dim=32)
+    C, nv = cfg.gdn_conv_dim, cfg.linear_num_value_heads
+    prm = GDNParams(rnd(C, K) * 0.5, -torch.rand(nv, generator=g) * 2, rnd(nv), rnd(dv), "grouped")
+    state = GDNState(rnd(C, K - 1), rnd(nv, dk, dv))
+    out = gdn.gdn_step(rnd(1, C), rnd(1, nv * dv), rnd(1, nv), rnd(1, nv), prm, state, cfg, q8_span=8)
+    assert gemv_q8x._emitted(out, 8) is None
+
+
 # ------------------------------------------------------------------------------------------------ attention
 @pytest.mark.parametrize("L,W,split,dtype,tile", [
     (1, 11, None, torch.float32, None), (1, 300, 32, torch.float32, None), (1, 300, 32, torch.float32, 64),

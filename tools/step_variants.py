@@ -44,10 +44,10 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   norm-ropes:split           the QSA layer's two query norm+RoPE ops in two launches (`qsa.norm_ropes_ref` over the
                              single kernel) instead of one (`norm_rope.norm_ropes`)
   activations:q8             products with quantized weights take Q8 activations (`strata generate --activations
-                             q8`: `gemv_q8x`; the HC reads write their output's Q8 units, every other GEMV input
-                             takes a quantize launch); its prefill logits differ
-  q8-units:off               with activations:q8: the HC reads write no Q8 units (a quantize launch before
-                             every Q8 GEMV)
+                             q8`: `gemv_q8x`; the HC reads and the GDN step write their outputs' Q8 units,
+                             every other GEMV input takes a quantize launch); its prefill logits differ
+  q8-units:off               with activations:q8: the HC reads and the GDN step write no Q8 units (a quantize
+                             launch before every Q8 GEMV)
   quantize:removed           with activations:q8: the quantize launches left out of the graph (units from the
                              warm-up): bounds what Q8 units written by their producers could gain
   x-widen:0|1                the row-register GEMVs widen bf16 x by inline PTX (1) or `.to(tl.float32)` (0)
@@ -96,6 +96,8 @@ BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attent
         "GEMM_MIN_TOKENS": kernel_ops.GEMM_MIN_TOKENS,
         "GEMM_SHAPE": (experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS), "quantize": gemv_q8x.quantize}
 
+
+Q8_UNIT_WRITERS = ("hc_read", "hc_write_read", "gdn_core")  # op entries that write Q8 units in the q8 mode
 
 PREFILL = {"chunk": 512}  # the prefill's chunk size for the variant being measured
 
@@ -228,10 +230,10 @@ def _apply_one(variant: str) -> dict:
         experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS = (int(v) for v in args[0].split(","))
     elif name == "activations" and args == ["q8"]:
         q8 = fast_ops(streams=True, activations="q8")
-        return {n: getattr(q8, n) for n in ("linear", "linears", "mlp", "experts", "hc_read", "hc_write_read")}
+        return {n: getattr(q8, n) for n in ("linear", "linears", "mlp", "experts", *Q8_UNIT_WRITERS)}
     elif name == "q8-units" and args == ["off"]:
         plain = fast_ops(streams=True)
-        return {n: getattr(plain, n) for n in ("hc_read", "hc_write_read")}
+        return {n: getattr(plain, n) for n in Q8_UNIT_WRITERS}
     elif name == "quantize" and args == ["removed"]:
         gemv_q8x.quantize = _frozen(BASE["quantize"], 3)
     elif name == "x-widen" and args in (["0"], ["1"]):

@@ -40,8 +40,9 @@ import triton
 import triton.language as tl
 
 from strata.config import ModelConfig
-from strata.kernels import pdl
+from strata.kernels import gemv_q8x, pdl
 from strata.kernels.gemv import tickets
+from strata.kernels.gemv_q8x import store_runs
 from strata.model.gdn import GDNParams
 from strata.runtime.state import GDNState
 
@@ -110,13 +111,16 @@ def _gated_norm(o_ptr, z_ptr, nw_ptr, out_ptr, j, n, DV, eps, BD: tl.constexpr, 
 
 @triton.jit
 def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr, S_ptr, o_ptr,
-                     z_ptr, nw_ptr, out_ptr, cnt_ptr,
+                     z_ptr, nw_ptr, out_ptr, cnt_ptr, xq_ptr,
                      NK, NV, DK, DV, KEY_DIM, REP, NVB, q_scale, eps,
                      K: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr,
                      TILED: tl.constexpr, SILU: tl.constexpr, SILU_GATE: tl.constexpr, DT: tl.constexpr,
-                     FUSED: tl.constexpr, GDC: tl.constexpr = False, LATE: tl.constexpr = False):
+                     FUSED: tl.constexpr, Q8: tl.constexpr = 0, GDC: tl.constexpr = False,
+                     LATE: tl.constexpr = False):
     """The step of one (dk, BV) state slab; with FUSED also the gated norm and the conv window shift (tickets
-    in cnt: NV value-head counters, then NK key-head counters), else `_gdn_out_kernel` does those."""
+    in cnt: NV value-head counters, then NK key-head counters), else `_gdn_out_kernel` does those. Q8 (with
+    FUSED; a word span of `gemv_q8x.ORDER`, 0: none): the program that normalises a head also stores it as Q8
+    units to xq (`gemv_q8x.store_runs`; DV a multiple of 32)."""
     pdl.enter(GDC, LATE)
     j = tl.program_id(0)  # value head
     vb = tl.program_id(1)  # dv block
@@ -175,6 +179,10 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
         vlast = tl.where(tl.atomic_add(vcnt, 1, sem="acq_rel", scope="gpu") == NVB - 1, 1, 0)
         _gated_norm(o_ptr, z_ptr, nw_ptr, out_ptr, j, DV * vlast, DV, eps, BD, SILU_GATE, DT)
         tl.atomic_add(vcnt, -NVB * vlast, sem="relaxed", scope="gpu")
+        if Q8 > 0:
+            tl.debug_barrier()  # the head's outputs are stored before they are read back
+            rr = j * (DV // 32) + tl.arange(0, BD // 32)[:, None]
+            store_runs(out_ptr, xq_ptr, rr, rr < j * (DV // 32) + (DV // 32) * vlast, Q8, BD // 32, CG=True)
 
 
 @triton.jit
@@ -205,9 +213,12 @@ def supported(x: torch.Tensor, state: GDNState, cfg: ModelConfig) -> bool:
 
 
 def gdn_step(x: torch.Tensor, z: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, prm: GDNParams,
-             state: GDNState, cfg: ModelConfig, block_v: int = 32) -> torch.Tensor:
+             state: GDNState, cfg: ModelConfig, block_v: int = 32, q8_span: int | None = None) -> torch.Tensor:
     """One-token GDN core: x (1, C), z (1, nv*dv), b / alpha (1, nv) -> (1, nv*dv) in x's dtype; updates
-    `state.conv` and `state.recurrent` in place. `block_v` is the dv slab per program (a tuning knob)."""
+    `state.conv` and `state.recurrent` in place. `block_v` is the dv slab per program (a tuning knob).
+    q8_span (a word span of `gemv_q8x.ORDER`): the output is also written as Q8 activations for words of that
+    span and recorded (`gemv_q8x.emitted`) for the out projection's Q8 GEMV (`--activations q8`), where the
+    one-launch path runs and dv is a multiple of 32."""
     dt = x.dtype
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -227,14 +238,18 @@ def gdn_step(x: torch.Tensor, z: torch.Tensor, b: torch.Tensor, alpha: torch.Ten
         cnt = None
     o = torch.empty(nv * dv, dtype=dt, device=x.device)
     out = torch.empty(1, nv * dv, dtype=dt, device=x.device)
+    emit = q8_span is not None and cnt is not None and dv % 32 == 0 and nv * dv % gemv_q8x.UNIT_VALUES == 0
+    xq = torch.empty(1, gemv_q8x.row_bytes(nv * dv), dtype=torch.int8, device=x.device) if emit else None
     # one launch: the q / k / v channels of the step's programs cover all C = 2 * key_dim + nv * dv channels
     # once each (asserted above), so each is shifted once
     _gdn_step_kernel[(nv, nvb)](
         x, b, alpha, convw, state.conv, A, dtb, state.recurrent, o, z, nw, out, cnt if cnt is not None else o,
-        nk, nv, dk, dv, cfg.gdn_key_dim, nv // nk, nvb, dk ** -0.5, cfg.rms_norm_eps,
+        xq if emit else o, nk, nv, dk, dv, cfg.gdn_key_dim, nv // nk, nvb, dk ** -0.5, cfg.rms_norm_eps,
         K=K, KP=triton.next_power_of_2(K), BK=triton.next_power_of_2(dk), BV=bv, BD=bd,
         TILED=prm.value_order == "tiled", SILU=cfg.hidden_act == "silu", SILU_GATE=silu_gate, DT=TL_DTYPES[dt],
-        FUSED=cnt is not None, **pdl.launch(x.device, "gdn_step"))
+        FUSED=cnt is not None, Q8=q8_span if emit else 0, **pdl.launch(x.device, "gdn_step"))
+    if emit:
+        gemv_q8x.emitted(out, xq, q8_span)
     if cnt is None:  # no ticket counters on this stream: the norm and shift in a second launch
         ch_per = triton.cdiv(C, nv)
         _gdn_out_kernel[(nv,)](
