@@ -42,7 +42,7 @@ import triton.language as tl
 from strata.config import ModelConfig
 from strata.kernels import gemv_q8x, pdl
 from strata.kernels.gemv import tickets
-from strata.kernels.gemv_q8x import store_runs
+from strata.kernels.gemv_rr import store_q8x_runs
 from strata.model.gdn import GDNParams
 from strata.runtime.state import GDNState
 
@@ -120,7 +120,7 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
     """The step of one (dk, BV) state slab; with FUSED also the gated norm and the conv window shift (tickets
     in cnt: NV value-head counters, then NK key-head counters), else `_gdn_out_kernel` does those. Q8 (with
     FUSED; a word span of `gemv_q8x.ORDER`, 0: none): the program that normalises a head also stores it as Q8
-    units to xq (`gemv_q8x.store_runs`; DV a multiple of 32)."""
+    units to xq (`gemv_rr.store_q8x_runs`; DV a multiple of 32)."""
     pdl.enter(GDC, LATE)
     j = tl.program_id(0)  # value head
     vb = tl.program_id(1)  # dv block
@@ -182,7 +182,7 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
         if Q8 > 0:
             tl.debug_barrier()  # the head's outputs are stored before they are read back
             rr = j * (DV // 32) + tl.arange(0, BD // 32)[:, None]
-            store_runs(out_ptr, xq_ptr, rr, rr < j * (DV // 32) + (DV // 32) * vlast, Q8, BD // 32, CG=True)
+            store_q8x_runs(out_ptr, xq_ptr, rr, rr < j * (DV // 32) + (DV // 32) * vlast, Q8, BD // 32, CG=True)
 
 
 @triton.jit

@@ -84,45 +84,15 @@ def source_index(span: int) -> torch.Tensor:
 
 
 @triton.jit
-def store_runs(x_ptr, q_ptr, run, ok, SPAN: tl.constexpr, RB: tl.constexpr, CG: tl.constexpr = False):
-    """Runs `run` ([RB, 1] run indices, `ok` those that exist) of one row of x (`x_ptr`, float) rounded to Q8
-    (`act_quant.quantize_q8`, the same divisions) and stored as that row's units (`q_ptr`, `gemv_rr.Q8X_UNIT`),
-    each run's bytes in the order of SPAN (`ORDER`). CG: x is loaded past L1 (other programs of the launch wrote
-    it: `strata.kernels.hyper`'s up kernel)."""
-    p = tl.arange(0, 32)[None, :]
-    w = p // 4
-    b = p % 4
-    if SPAN == 8:
-        src = 8 * b + w
-    else:
-        src = (w // 4) * 16 + 4 * b + w % 4
-    if CG:
-        v = tl.load(x_ptr + run * 32 + src, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-    else:
-        v = tl.load(x_ptr + run * 32 + src, mask=ok, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(v), axis=1)[:, None]
-    d = tl.div_rn(amax, tl.full([RB, 1], 127.0, tl.float32))
-    pos = d > 0
-    r = tl.where(pos, tl.div_rn(v, tl.where(pos, d, 1.0) + tl.zeros([RB, 32], tl.float32)), 0.0)
-    q = (r + tl.where(r < 0, -0.5, 0.5)).to(tl.int32)
-    q = tl.minimum(tl.maximum(q, -127), 127)
-    s = d * tl.sum(q, axis=1)[:, None].to(tl.float32)
-    base = q_ptr + (run // 4) * 160
-    tl.store(base + (run % 4) * 32 + p, q.to(tl.int8), mask=ok)
-    dp = (base + 128 + (run % 4) * 8).to(tl.pointer_type(tl.float32))
-    tl.store(dp, d, mask=ok)
-    tl.store(dp + 1, s, mask=ok)
-
-
-@triton.jit
 def _quantize_kernel(x_ptr, q_ptr, RUNS, x_slot_stride, q_slot_stride, SPAN: tl.constexpr, RB: tl.constexpr,
                      GDC: tl.constexpr = False, LATE: tl.constexpr = False):
-    """RB runs of one row of x (program (i, row)) as Q8 units (`store_runs`). The GEMV after it is let in first
-    (it loads its weights meanwhile), or with LATE after the wait (`pdl.LATE_RELEASE["quantize"]`)."""
+    """RB runs of one row of x (program (i, row)) as Q8 units (`gemv_rr.store_q8x_runs`). The GEMV after it is let
+    in first (it loads its weights meanwhile), or with LATE after the wait (`pdl.LATE_RELEASE["quantize"]`)."""
     pdl.enter(GDC, LATE)
     slot = tl.program_id(1).to(tl.int64)
     run = tl.program_id(0) * RB + tl.arange(0, RB)[:, None]
-    store_runs(x_ptr + slot * x_slot_stride, q_ptr + slot * q_slot_stride, run, run < RUNS, SPAN, RB)
+    gemv_rr.store_q8x_runs(x_ptr + slot * x_slot_stride, q_ptr + slot * q_slot_stride, run, run < RUNS, SPAN,
+                           RB)
 
 
 def quantize(x: torch.Tensor, kind: str, out: torch.Tensor | None = None) -> torch.Tensor:

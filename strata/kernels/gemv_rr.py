@@ -507,6 +507,38 @@ def _store(optr, v, rows, N):
     tl.store(optr + rows, gb.cast(v, optr.dtype.element_ty), mask=rows < N)
 
 
+@triton.jit
+def store_q8x_runs(x_ptr, q_ptr, run, ok, SPAN: tl.constexpr, RB: tl.constexpr, CG: tl.constexpr = False):
+    """Runs `run` ([RB, 1] run indices, `ok` those that exist) of one row of x (`x_ptr`, float) rounded to Q8
+    (`act_quant.quantize_q8`, the same divisions) and stored as that row's units (`q_ptr`, `Q8X_UNIT`),
+    each run's bytes in the order of SPAN (`Q8X_ORDER`). CG: x is loaded past L1 (other programs of the launch
+    wrote it). Quantize launches (`strata.kernels.gemv_q8x`) and producers that write their output's units too
+    (the HC read, the GDN step) share it."""
+    p = tl.arange(0, 32)[None, :]
+    w = p // 4
+    b = p % 4
+    if SPAN == 8:
+        src = 8 * b + w
+    else:
+        src = (w // 4) * 16 + 4 * b + w % 4
+    if CG:
+        v = tl.load(x_ptr + run * 32 + src, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    else:
+        v = tl.load(x_ptr + run * 32 + src, mask=ok, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(v), axis=1)[:, None]
+    d = tl.div_rn(amax, tl.full([RB, 1], 127.0, tl.float32))
+    pos = d > 0
+    r = tl.where(pos, tl.div_rn(v, tl.where(pos, d, 1.0) + tl.zeros([RB, 32], tl.float32)), 0.0)
+    q = (r + tl.where(r < 0, -0.5, 0.5)).to(tl.int32)
+    q = tl.minimum(tl.maximum(q, -127), 127)
+    s = d * tl.sum(q, axis=1)[:, None].to(tl.float32)
+    base = q_ptr + (run // 4) * 160
+    tl.store(base + (run % 4) * 32 + p, q.to(tl.int8), mask=ok)
+    dp = (base + 128 + (run % 4) * 8).to(tl.pointer_type(tl.float32))
+    tl.store(dp, d, mask=ok)
+    tl.store(dp + 1, s, mask=ok)
+
+
 @triton.jit(do_not_specialize=["D_STRIDE"])
 def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr, N, g_row_stride, u_row_stride,
                g_slot_stride, u_slot_stride, x_slot_stride, out_slot_stride, BASE, X_ROW_STRIDE, D_STRIDE,

@@ -42,7 +42,7 @@ import triton.language as tl
 from strata.kernels import gemv_q8x, pdl
 from strata.kernels.attention import sm_count
 from strata.kernels.gemv import tickets
-from strata.kernels.gemv_q8x import store_runs
+from strata.kernels.gemv_rr import store_q8x_runs
 from strata.weights.tensor import StoredTensor
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -150,7 +150,7 @@ def _hc_up_kernel(x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, m_ptr, a_ptr, iot
     GDC (PDL): the norm scales and the first column chunk of W_up are loaded before the wait for the down
     kernel, everything it wrote after. TICKETS: the down kernel finished m and iota (see there); m is loaded.
     LATE: `pdl.LATE_RELEASE`. Q8 (a word span of `gemv_q8x.ORDER`, 0: none): a is also stored as Q8 units
-    (`gemv_q8x.store_runs`) to xq, each run of 32 features by the last of its programs to draw a ticket from
+    (`gemv_rr.store_q8x_runs`) to xq, each run of 32 features by the last of its programs to draw a ticket from
     qcnt (BH < 32), or by its program (BH >= 32)."""
     if not LATE:
         pdl.started(GDC)
@@ -203,11 +203,11 @@ def _hc_up_kernel(x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, m_ptr, a_ptr, iot
             run = pid // (32 // BH)
             if tl.atomic_add(qcnt_ptr + run, 1, sem="acq_rel", scope="gpu") == 32 // BH - 1:
                 rr = run + tl.zeros([1, 1], tl.int32)
-                store_runs(a_ptr, xq_ptr, rr, rr >= 0, Q8, 1, CG=True)
+                store_q8x_runs(a_ptr, xq_ptr, rr, rr >= 0, Q8, 1, CG=True)
                 tl.atomic_xchg(qcnt_ptr + run, 0, sem="relaxed", scope="gpu")  # back to 0 for the next launch
         else:
             rr = pid * (BH // 32) + tl.arange(0, BH // 32)[:, None]
-            store_runs(a_ptr, xq_ptr, rr, rr < H // 32, Q8, BH // 32, CG=True)
+            store_q8x_runs(a_ptr, xq_ptr, rr, rr < H // 32, Q8, BH // 32, CG=True)
     if (NIP > 0) and not TICKETS:
         yi = pi.to(DT).to(tl.float32)
         yi = tl.math.div_rn(yi, S).to(DT).to(tl.float32)
