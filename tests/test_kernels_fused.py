@@ -120,7 +120,7 @@ def test_gdn_step_q8_units_are_the_quantized_output(monkeypatch, dtype, block_v)
     of the output, which `quantize` of it then returns without a launch; output and state are the bits of the
     step without units. Without tickets (the two-launch path) or with nv * dv not a multiple of 128 nothing is
     recorded."""
-    from strata.kernels import gemv_q8x
+    from strata.kernels import gemv_q8x, gemv_rr
 
     monkeypatch.setattr(gdn, "torch", _PoisonedUnits())
     cfg = config(linear_num_key_heads=2, linear_num_value_heads=4, linear_value_head_dim=32)
@@ -141,14 +141,14 @@ def test_gdn_step_q8_units_are_the_quantized_output(monkeypatch, dtype, block_v)
         assert gemv_q8x.quantize(got, "Q4_K_R") is xq
     monkeypatch.setattr(gdn, "tickets", lambda device: None)
     out = gdn.gdn_step(x, z, b, a, prm, units, cfg, block_v=block_v, q8_span=8)
-    assert gemv_q8x._emitted(out, 8) is None
+    assert gemv_rr.recorded_q8x(out, 8) is None
     monkeypatch.undo()
     cfg = config(linear_num_key_heads=1, linear_num_value_heads=3, linear_value_head_dim=32)
     C, nv = cfg.gdn_conv_dim, cfg.linear_num_value_heads
     prm = GDNParams(rnd(C, K) * 0.5, -torch.rand(nv, generator=g) * 2, rnd(nv), rnd(dv), "grouped")
     state = GDNState(rnd(C, K - 1), rnd(nv, dk, dv))
     out = gdn.gdn_step(rnd(1, C), rnd(1, nv * dv), rnd(1, nv), rnd(1, nv), prm, state, cfg, q8_span=8)
-    assert gemv_q8x._emitted(out, 8) is None
+    assert gemv_rr.recorded_q8x(out, 8) is None
 
 
 # ------------------------------------------------------------------------------------------------ attention

@@ -26,7 +26,7 @@ import pytest
 import torch
 import triton  # noqa: F401  (fails the module when Triton is missing)
 
-from strata.kernels import gemv_q8x, hyper
+from strata.kernels import gemv_q8x, gemv_rr, hyper
 from strata.model.hyper import hc_read_ref
 from strata.model.ops import linear_ref
 from strata.weights.tensor import DenseTensor
@@ -210,4 +210,4 @@ def test_q8_units_need_a_hidden_size_of_whole_units():
     S, H, R = 2, 96, 16
     x, norm, down, up, inject = make(S, H, R, torch.float32, seed=3)
     a, _ = hyper.hc_read(x, norm, down, up, inject, S, EPS, q8_span=hyper.Q8_SPAN)
-    assert gemv_q8x._emitted(a, hyper.Q8_SPAN) is None
+    assert gemv_rr.recorded_q8x(a, hyper.Q8_SPAN) is None

@@ -47,8 +47,8 @@ def test_model_decodes_with_q8_activations_as_the_reference(monkeypatch) -> None
     calls = reference.count_calls(monkeypatch, {n: (gemv_q8x, n) for n in (
         "quantize", "gemv", "gemv_glu", "gemv_experts_glu", "gemv_experts_sum")})
     hits = []  # quantize calls served by the units an HC read wrote (`fused_ops(q8=True)`)
-    lookup = gemv_q8x._emitted
-    monkeypatch.setattr(gemv_q8x, "_emitted", lambda *a: (lambda u: hits.append(u is not None) or u)(lookup(*a)))
+    lookup = gemv_rr.recorded_q8x
+    monkeypatch.setattr(gemv_rr, "recorded_q8x", lambda *a: (lambda u: hits.append(u is not None) or u)(lookup(*a)))
     ref = Engine(w, activations="q8")
     fast = Engine(placed, ops=fused_ops(K_OPS.triton_ops(with_activations(Ops(), "q8"), q8=True), force=True,
                                         q8=True))

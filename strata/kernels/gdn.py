@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from strata.config import ModelConfig
-from strata.kernels import gemv_q8x, pdl
+from strata.kernels import gemv_q8x, gemv_rr, pdl
 from strata.kernels.gemv import tickets
 from strata.kernels.gemv_rr import store_q8x_runs
 from strata.model.gdn import GDNParams
@@ -217,7 +217,7 @@ def gdn_step(x: torch.Tensor, z: torch.Tensor, b: torch.Tensor, alpha: torch.Ten
     """One-token GDN core: x (1, C), z (1, nv*dv), b / alpha (1, nv) -> (1, nv*dv) in x's dtype; updates
     `state.conv` and `state.recurrent` in place. `block_v` is the dv slab per program (a tuning knob).
     q8_span (a word span of `gemv_q8x.ORDER`): the output is also written as Q8 activations for words of that
-    span and recorded (`gemv_q8x.emitted`) for the out projection's Q8 GEMV (`--activations q8`), where the
+    span and recorded (`gemv_rr.record_q8x`) for the out projection's Q8 GEMV (`--activations q8`), where the
     one-launch path runs and dv is a multiple of 32."""
     dt = x.dtype
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -249,7 +249,7 @@ def gdn_step(x: torch.Tensor, z: torch.Tensor, b: torch.Tensor, alpha: torch.Ten
         TILED=prm.value_order == "tiled", SILU=cfg.hidden_act == "silu", SILU_GATE=silu_gate, DT=TL_DTYPES[dt],
         FUSED=cnt is not None, Q8=q8_span if emit else 0, **pdl.launch(x.device, "gdn_step"))
     if emit:
-        gemv_q8x.emitted(out, xq, q8_span)
+        gemv_rr.record_q8x(out, xq, q8_span)
     if cnt is None:  # no ticket counters on this stream: the norm and shift in a second launch
         ch_per = triton.cdiv(C, nv)
         _gdn_out_kernel[(nv,)](

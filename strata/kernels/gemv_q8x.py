@@ -20,8 +20,6 @@ fp32 summation order, which the tests check against float64.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import triton
 import triton.language as tl
@@ -41,39 +39,6 @@ def row_bytes(k: int) -> int:
     if k % UNIT_VALUES:
         raise ValueError(f"Q8 activations: K = {k} is not a multiple of {UNIT_VALUES}")
     return k // UNIT_VALUES * UNIT_BYTES
-
-
-_EMITTED: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
-
-
-def emitted(x: torch.Tensor, units: torch.Tensor, span: int) -> None:
-    """Record that x's producer also wrote x as Q8 units for words of `span` (`ORDER`) into `units`, in the
-    launch that wrote x: `quantize` of x (or of a view of all of it) then returns them and launches nothing.
-    The record dies with x and no longer applies once x is changed in place by torch (its version counter
-    moves; inference tensors have none, and the model changes no op's output in place)."""
-    key = x.data_ptr()
-
-    def forget(ref: weakref.ref, key: int = key) -> None:
-        if _EMITTED.get(key, (None,))[0] is ref:
-            del _EMITTED[key]
-
-    _EMITTED[key] = (weakref.ref(x, forget), _version(x), span, units)
-
-
-def _version(x: torch.Tensor) -> int | None:
-    return None if x.is_inference() else x._version
-
-
-def _emitted(x: torch.Tensor, span: int) -> torch.Tensor | None:
-    """The units `emitted` recorded for x (rows, K) and `span`, or None."""
-    e = _EMITTED.get(x.data_ptr())
-    t = e[0]() if e is not None else None
-    if (t is None or e[2] != span or _version(x) != e[1] or _version(t) != e[1] or x.dtype != t.dtype
-            or x.numel() != t.numel() or not x.is_contiguous()
-            or x.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
-            or tuple(e[3].shape) != (x.shape[0], row_bytes(x.shape[1]))):
-        return None
-    return e[3]
 
 
 def source_index(span: int) -> torch.Tensor:
@@ -98,7 +63,7 @@ def _quantize_kernel(x_ptr, q_ptr, RUNS, x_slot_stride, q_slot_stride, SPAN: tl.
 def quantize(x: torch.Tensor, kind: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """x (rows, K) float, rows contiguous, as Q8 activations for weights of `kind` (a `gemv_rr.Q8X_ORDER` type):
     (rows, `row_bytes(K)`) int8, in one launch (PDL: it waits for the kernel before, which may write x); without
-    `out`, the units x's producer wrote (`emitted`) where there are some, with no launch."""
+    `out`, the units x's producer wrote (`gemv_rr.record_q8x`) where there are some, with no launch."""
     if kind not in ORDER:
         raise ValueError(f"{kind}: no GEMV with Q8 activations (those are {', '.join(ORDER)})")
     if x.dim() != 2 or x.stride(-1) != 1 or not x.dtype.is_floating_point:
@@ -107,7 +72,7 @@ def quantize(x: torch.Tensor, kind: str, out: torch.Tensor | None = None) -> tor
     rows, k = x.shape
     shape = (rows, row_bytes(k))
     if out is None:
-        units = _emitted(x, ORDER[kind])
+        units = gemv_rr.recorded_q8x(x, ORDER[kind])
         if units is not None:
             return units
         out = torch.empty(shape, dtype=torch.int8, device=x.device)

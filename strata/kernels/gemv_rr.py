@@ -41,6 +41,8 @@ per weight instead of 5-6.4, bench/results/2026-12-05-cpu-gemv-sass-q8x.json).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
@@ -639,6 +641,39 @@ type's words hold their weights (`repack.py`): byte b of word w holds value S b 
 Q8X_UNIT = (128, 160)
 """(values, bytes) of a unit of Q8 activations as the kernel reads them (`strata.kernels.gemv_q8x.quantize`): the
 128 int8 values of four runs of 32, each run's bytes in its consumer's order, then each run's (d, s) as fp32."""
+
+_Q8X_RECORDS: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+
+
+def record_q8x(x: torch.Tensor, units: torch.Tensor, span: int) -> None:
+    """Record that x's producer also wrote x as Q8 units for words of `span` (`Q8X_ORDER`) into `units`, in the
+    launch that wrote x: `gemv_q8x.quantize` of x (or of a view of all of it) then returns them and launches
+    nothing. The record dies with x and no longer applies once x is changed in place by torch (its version counter
+    moves; inference tensors have none, and the model changes no op's output in place)."""
+    key = x.data_ptr()
+
+    def forget(ref: weakref.ref, key: int = key) -> None:
+        if _Q8X_RECORDS.get(key, (None,))[0] is ref:
+            del _Q8X_RECORDS[key]
+
+    _Q8X_RECORDS[key] = (weakref.ref(x, forget), _version(x), span, units)
+
+
+def _version(x: torch.Tensor) -> int | None:
+    return None if x.is_inference() else x._version
+
+
+def recorded_q8x(x: torch.Tensor, span: int) -> torch.Tensor | None:
+    """The units `record_q8x` recorded for x (rows, K) and `span`, or None."""
+    e = _Q8X_RECORDS.get(x.data_ptr())
+    t = e[0]() if e is not None else None
+    if (t is None or e[2] != span or _version(x) != e[1] or _version(t) != e[1] or x.dtype != t.dtype
+            or x.numel() != t.numel() or not x.is_contiguous()
+            or x.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+            or tuple(e[3].shape) != (x.shape[0], x.shape[1] // Q8X_UNIT[0] * Q8X_UNIT[1])):
+        return None
+    return e[3]
+
 
 CHUNK = {"Q4_K_R": (256, 144), "Q8_0_R": (256, 272), "Q5_1_R": (128, 96), "Q6_K_R": (256, 224)}
 """(weights, bytes) of one loop chunk of each type: a super-block, or a group of 8 (Q8_0_R) or 4 (Q5_1_R)

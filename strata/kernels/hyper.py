@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels import gemv_q8x, pdl
+from strata.kernels import gemv_q8x, gemv_rr, pdl
 from strata.kernels.attention import sm_count
 from strata.kernels.gemv import tickets
 from strata.kernels.gemv_rr import store_q8x_runs
@@ -297,7 +297,7 @@ def hc_read(x: torch.Tensor, norm: torch.Tensor, down: StoredTensor, up: StoredT
     (split-K tickets, `gemv.tickets`; False, or no counters left: every up program sums them).
 
     q8_span (a word span of `gemv_q8x.ORDER`): the up kernel also writes a as Q8 activations for words of that
-    span and records them (`gemv_q8x.emitted`), so the Q8 GEMVs that read a (`--activations q8`) need no
+    span and records them (`gemv_rr.record_q8x`), so the Q8 GEMVs that read a (`--activations q8`) need no
     quantize launch; where the shapes or the ticket counters do not allow it, nothing is recorded and they
     quantize a themselves."""
     _, a, iota = _launch(x, None, norm, down, up, inject, streams, eps, block_rows, block_h, block_k, block_r,
@@ -382,5 +382,5 @@ def _launch(x, write, norm, down, up, inject, streams, eps, block_rows, block_h,
         NIP=triton.next_power_of_2(ni) if ni else 0, DT=TL_DTYPES[dt], TICKETS=cnt is not None,
         Q8=q8_span if xq is not None else 0, num_warps=warps_up or d["warps_up"], **pdl.launch(dev, "hc_up"))
     if xq is not None:
-        gemv_q8x.emitted(a, xq, q8_span)
+        gemv_rr.record_q8x(a, xq, q8_span)
     return (x_new if write is not None else None), a, (iota if inject is not None else None)
