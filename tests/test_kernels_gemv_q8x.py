@@ -156,3 +156,32 @@ def test_bad_input_names_what_is_wrong() -> None:
         from strata.kernels import gemv_rr
         gemv_rr.launch("Q4_0", x, w, None, x, 4, 256, 1, 0, 0, 0, None, 0, (8, 1, 1, 1), None, x, x, None, {},
                        q8x=True)
+
+
+@pytest.mark.parametrize("kind,units_for", [("Q4_K_R", "Q5_1_R"), ("Q8_0_R", "Q8_0_R"), ("Q5_1_R", "Q4_K_R")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_glu_writes_the_next_products_units(kind: str, units_for: str, dtype: torch.dtype,
+                                                    monkeypatch) -> None:
+    """units_for: the routed GLU also writes its output as Q8 units for the down projections (the last of each
+    run's programs, by tickets): `quantize`'s bytes of the output (every byte: the buffer starts as -128),
+    returned by `quantize` of it without a launch; the output itself unchanged and every ticket put back. Rows
+    that do not fill whole units: no units."""
+    empty = torch.empty
+    monkeypatch.setattr(Q.torch, "empty", lambda *a, **kw: (lambda t: t.fill_(-128) if t.dtype == torch.int8
+                                                            else t)(empty(*a, **kw)))
+    rng = np.random.default_rng(zlib_seed(kind) + 5)
+    k, n = 256, 128
+    gs = torch.stack([ggml_rows(kind, n, k, rng)[0] for _ in range(3)])
+    us = torch.stack([ggml_rows(kind, n, k, rng)[0] for _ in range(3)])
+    ids = torch.tensor([2, 0, 2], dtype=torch.int32)
+    xq = Q.quantize(activations(1, k, 4) * 0.05, kind)
+    plain = Q.gemv_experts_glu(xq, gs, us, ids, kind, k, out_dtype=dtype)
+    for _ in range(2):
+        out = Q.gemv_experts_glu(xq, gs, us, ids, kind, k, out_dtype=dtype, units_for=units_for)
+        assert torch.equal(out, plain)
+        units = Q.quantize(out, units_for)
+        assert units is Q.gemv_rr.recorded_q8x(out, Q.ORDER[units_for])
+        assert torch.equal(units, Q.quantize(out.clone(), units_for))
+        assert all(int(c.abs().sum()) == 0 for c in G._counters.values())
+    short = Q.gemv_experts_glu(xq, gs[:, :96], us[:, :96], ids, kind, k, out_dtype=dtype, units_for=units_for)
+    assert Q.gemv_rr.recorded_q8x(short, Q.ORDER[units_for]) is None

@@ -727,10 +727,11 @@ def _launch_rr(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor 
                k: int, slots: int, w_slot_stride: int, x_slot_stride: int, out_slot_stride: int,
                up: torch.Tensor | None, up_slot_stride: int, split_k: int | None,
                slot_weights: torch.Tensor | None, shape: tuple[int, int, int, int] | None = None,
-               ids_settled: bool = False, q8x: bool = False) -> bool:
+               ids_settled: bool = False, q8x: bool = False, q_out: tuple[torch.Tensor, int] | None = None) -> bool:
     """One launch of the row-register kernel (`gemv_rr`) in its `launch_shape` (or `shape`; `split_k` overrides
     its K split, which is dropped where the row tiles outnumber the ticket counters): True, or False when a slot
-    sum cannot have its tickets, for the generic kernel to run instead."""
+    sum cannot have its tickets, for the generic kernel to run instead. q_out = (units, span): where the launch
+    can (`gemv_rr.writes_q8x_out`), it also writes out as Q8 units and records them (`gemv_rr.record_q8x`)."""
     n_chunks = k // gemv_rr.CHUNK[t.name][0]
     glu = up is not None
     br = (shape or gemv_rr.launch_shape(t.name, n_chunks))[0]
@@ -754,9 +755,16 @@ def _launch_rr(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor 
         part = cnt = out  # unused
     else:
         part = torch.empty(tiles * (slots if summed else slots * split) * br, dtype=torch.float32, device=w.device)
+    if q_out is not None and not gemv_rr.writes_q8x_out(glu, n, slots, (br, sbc, warps, split), summed,
+                                                        tickets(w.device)):
+        q_out = None
+    if q_out is not None:
+        cnt = tickets(w.device)  # a GLU without K split takes no other tickets
     gemv_rr.launch(t.name, x, w, ids, out, n, k, slots, w_slot_stride, x_slot_stride, out_slot_stride, up,
                    up_slot_stride, (br, sbc, warps, split), _split_sum, part, cnt, slot_weights,
-                   pdl.launch(x.device), ids_early=ids_settled, q8x=q8x)
+                   pdl.launch(x.device), ids_early=ids_settled, q8x=q8x, q_out=q_out)
+    if q_out is not None:
+        gemv_rr.record_q8x(out, *q_out)
     return True
 
 

@@ -111,14 +111,14 @@ def _check(xq: torch.Tensor, kind: str, k: int, w: torch.Tensor, rows: tuple[int
 def _run(kind: str, xq: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None, out: torch.Tensor, n: int, k: int,
          slots: int, w_slot_stride: int, x_slot_stride: int, out_slot_stride: int, up: torch.Tensor | None = None,
          up_slot_stride: int = 0, split_k: int | None = None, slot_weights: torch.Tensor | None = None,
-         ids_settled: bool = False) -> None:
+         ids_settled: bool = False, q_out: tuple[torch.Tensor, int] | None = None) -> None:
     if not gemv_rr.covers(kind, 1, w, up, (w_slot_stride, up_slot_stride)):
         raise ValueError(f"{kind}: Q8 activations need uint8 rows starting 16-byte aligned")
     if n == 0 or slots == 0:
         return
     t = G.gemv_type(kind)
     if not G._launch_rr(t, xq, w, ids, out, n, k, slots, w_slot_stride, x_slot_stride, out_slot_stride, up,
-                        up_slot_stride, split_k, slot_weights, ids_settled=ids_settled, q8x=True):
+                        up_slot_stride, split_k, slot_weights, ids_settled=ids_settled, q8x=True, q_out=q_out):
         raise RuntimeError("Q8 activations: no split-K ticket counters left for the slot sum on this stream")
 
 
@@ -145,14 +145,20 @@ def gemv_glu(xq: torch.Tensor, gate_data: torch.Tensor, up_data: torch.Tensor, k
 
 def gemv_experts_glu(xq: torch.Tensor, gate_data: torch.Tensor, up_data: torch.Tensor, expert_ids: torch.Tensor,
                      kind: str, K: int, out: torch.Tensor | None = None,
-                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """`G.gemv_experts_glu` with Q8 activations: xq has one row (every slot) or one per slot."""
+                     out_dtype: torch.dtype = torch.float32, *, units_for: str | None = None) -> torch.Tensor:
+    """`G.gemv_experts_glu` with Q8 activations: xq has one row (every slot) or one per slot. units_for (an
+    `ORDER` type): the launch also writes its output as Q8 activations for that type's GEMV where it can, and
+    records them (`gemv_rr.record_q8x`: `quantize` of the output then launches nothing)."""
     g, u = G._glu_weights(G.gemv_type(kind), gate_data, up_data, K, 3)
     k_sel, x_slot_stride = G._slots(xq, expert_ids, g)
     _check(xq, kind, K, g, (1, k_sel))
-    out = G._out(out, (k_sel, g.shape[1]), g.device, out_dtype)
-    _run(kind, xq, g, expert_ids, out, g.shape[1], K, k_sel, g.stride(0), x_slot_stride, out.stride(0), u,
-         u.stride(0))
+    n = g.shape[1]
+    out = G._out(out, (k_sel, n), g.device, out_dtype)
+    q_out = None
+    if units_for is not None and n % UNIT_VALUES == 0 and out.is_contiguous():
+        q_out = (torch.empty(k_sel, row_bytes(n), dtype=torch.int8, device=g.device), ORDER[units_for])
+    _run(kind, xq, g, expert_ids, out, n, K, k_sel, g.stride(0), x_slot_stride, out.stride(0), u,
+         u.stride(0), q_out=q_out)
     return out
 
 

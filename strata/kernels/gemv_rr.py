@@ -542,13 +542,13 @@ def store_q8x_runs(x_ptr, q_ptr, run, ok, SPAN: tl.constexpr, RB: tl.constexpr, 
 
 
 @triton.jit(do_not_specialize=["D_STRIDE"])
-def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr, N, g_row_stride, u_row_stride,
-               g_slot_stride, u_slot_stride, x_slot_stride, out_slot_stride, BASE, X_ROW_STRIDE, D_STRIDE,
-               KIND: tl.constexpr, CHUNK_ELEMS: tl.constexpr, CHUNK_BYTES: tl.constexpr, NCH: tl.constexpr,
-               SBC: tl.constexpr, BR: tl.constexpr, GLU: tl.constexpr,
+def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr, q_ptr, N, g_row_stride, u_row_stride,
+               g_slot_stride, u_slot_stride, x_slot_stride, out_slot_stride, q_slot_stride, BASE, X_ROW_STRIDE,
+               D_STRIDE, KIND: tl.constexpr, CHUNK_ELEMS: tl.constexpr, CHUNK_BYTES: tl.constexpr,
+               NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr, GLU: tl.constexpr,
                HAS_IDS: tl.constexpr, ASM: tl.constexpr, SPLIT_SUM: tl.constexpr, SPLIT: tl.constexpr = 1,
                SLOT_SUM: tl.constexpr = 0, IDS_EARLY: tl.constexpr = False, RELEASE: tl.constexpr = 0,
-               PRE: tl.constexpr = 1, XW: tl.constexpr = False, XQ: tl.constexpr = False,
+               PRE: tl.constexpr = 1, XW: tl.constexpr = False, XQ: tl.constexpr = False, QOUT: tl.constexpr = 0,
                GDC: tl.constexpr = False):
     """out[slot, rows] = W[slot's matrix][rows] . x[slot], or with GLU act(G . x) * (U . x), for one token.
 
@@ -569,7 +569,11 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
 
     PDL: RELEASE says where the next kernel is let in (`pdl.started`, see `RELEASE`): AFTER_LOOP once every
     program is past its K loop, AT_WAIT right after this kernel's PDL wait, FIRST before its first load (for a
-    launch by unsettled expert ids, which waits first, FIRST is AT_WAIT)."""
+    launch by unsettled expert ids, which waits first, FIRST is AT_WAIT).
+
+    QOUT (GLU, no split; a word span of `Q8X_ORDER`, 0: none): each slot's output is also stored as Q8 units to
+    q (`store_q8x_runs`), each run of 32 outputs by the last of its 32 / (BR / 2) programs to draw a ticket from
+    cnt (one counter per slot and run), for the Q8 GEMV that reads it (the routed down projections)."""
     if HAS_IDS and not IDS_EARLY:
         pdl.wait(GDC)
         if RELEASE != 0:
@@ -629,6 +633,15 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
         g = gb.rounded(g, dt)
         y = gb.rounded(g / (1.0 + tl.exp(-g)), dt) * gb.rounded(u, dt)  # torch's silu, rounded as the model rounds
         _store(optr, y, pid * (BR // 2) + tl.arange(0, BR // 2), N * last)
+        if QOUT > 0:
+            tl.debug_barrier()  # every thread's outputs are stored before the ticket is drawn
+            PPR: tl.constexpr = 32 // (BR // 2)
+            run = pid // PPR
+            qc = cnt_ptr + slot * (N // 32) + run
+            if tl.atomic_add(qc, 1, sem="acq_rel", scope="gpu") == PPR - 1:
+                rr = run + tl.zeros([1, 1], tl.int32)
+                store_q8x_runs(optr, q_ptr + slot * q_slot_stride, rr, rr >= 0, QOUT, 1, CG=True)
+                tl.atomic_xchg(qc, 0, sem="relaxed", scope="gpu")  # back to 0 for the next launch
     else:
         _store(optr, res, pid * BR + r, N * last)
 
@@ -768,26 +781,39 @@ def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None
            k: int, slots: int, w_slot_stride: int, x_slot_stride: int, out_slot_stride: int,
            up: torch.Tensor | None, up_slot_stride: int, shape: tuple[int, int, int, int], split_sum,
            part: torch.Tensor, cnt: torch.Tensor, slot_weights: torch.Tensor | None, gdc: dict,
-           ids_early: bool = False, q8x: bool = False) -> None:
+           ids_early: bool = False, q8x: bool = False, q_out: tuple[torch.Tensor, int] | None = None) -> None:
     """One launch over `slots` matrices (by `ids` when given) of n rows of k weights, in `shape`
     (`launch_shape`); `up` makes it the GLU (w is then the gate); `slot_weights` sums the slots into out's one row.
     Strides in elements of each tensor (bytes for the weights). The caller (`gemv._launch`) checked `covers`
     and gives the split-K scratch (`part`, `cnt`: tickets) and `gemv._split_sum`; `ids_early`: the ids are
     settled (`_rr_kernel`'s IDS_EARLY); `q8x`: x holds Q8 activations (`strata.kernels.gemv_q8x`, strides in bytes
-    of its units), which `Q8X_ORDER`'s types take."""
+    of its units), which `Q8X_ORDER`'s types take; `q_out` = (units (slots, n / 128 * 160) int8, span): a GLU
+    also writes its output as Q8 units (`writes_q8x_out` says when it can; cnt: its tickets)."""
     if q8x and kind not in Q8X_ORDER:
         raise ValueError(f"{kind}: no GEMV with Q8 activations (those are {', '.join(Q8X_ORDER)})")
     br, sbc, warps, split = shape
     glu = up is not None
+    if q_out is not None and not writes_q8x_out(glu, n, slots, shape, slot_weights is not None, cnt):
+        raise ValueError(f"this launch cannot write Q8 units of its output (GLU {glu}, {n} rows, shape {shape})")
     u = up if glu else w
     grid = (triton.cdiv(n, br // 2 if glu else br), slots, split)
     _rr_kernel[grid](
-        x, w, u, ids if ids is not None else w, out, part, cnt, slot_weights if slot_weights is not None else out, n,
-        w.stride(-2), u.stride(-2), w_slot_stride, up_slot_stride if glu else w_slot_stride, x_slot_stride,
-        out_slot_stride, _BASE[kind], 0, 1,
+        x, w, u, ids if ids is not None else w, out, part, cnt, slot_weights if slot_weights is not None else out,
+        q_out[0] if q_out is not None else out, n, w.stride(-2), u.stride(-2), w_slot_stride,
+        up_slot_stride if glu else w_slot_stride, x_slot_stride, out_slot_stride,
+        q_out[0].stride(0) if q_out is not None else 0, _BASE[kind], 0, 1,
         KIND=kind, CHUNK_ELEMS=CHUNK[kind][0], CHUNK_BYTES=CHUNK[kind][1], NCH=k // CHUNK[kind][0], SBC=sbc, BR=br,
         GLU=glu, HAS_IDS=ids is not None, ASM=x.device.type == "cuda", SPLIT_SUM=split_sum, SPLIT=split,
         SLOT_SUM=slots if slot_weights is not None else 0, IDS_EARLY=ids_early and ids is not None,
         RELEASE=RELEASE["plain" if ids is None else "settled-ids" if ids_early else "ids"],
         PRE=preload_steps(kind, k // CHUNK[kind][0] // (split * sbc)), XW=WIDEN_X_ASM, XQ=q8x,
-        num_warps=warps, **gdc)
+        QOUT=q_out[1] if q_out is not None else 0, num_warps=warps, **gdc)
+
+
+def writes_q8x_out(glu: bool, n: int, slots: int, shape: tuple[int, int, int, int], summed: bool,
+                   cnt: torch.Tensor | None) -> bool:
+    """Whether a launch can also write its output as Q8 units (`launch`'s q_out): a GLU without K split or slot
+    sum, whose programs tile runs of 32 outputs, with a ticket counter for every slot's run in `cnt`."""
+    half = shape[0] // 2
+    return (glu and not summed and shape[3] == 1 and n % Q8X_UNIT[0] == 0 and 0 < half <= 32 and 32 % half == 0
+            and cnt is not None and cnt.numel() >= slots * n // 32)

@@ -214,8 +214,9 @@ def experts_blocks(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
     gate/up (E, I, ·) over H, down (E, H, ·) over I. Slot s = l*k + j runs expert top_i[l, j] on token l; the
     three GEMVs cover all slots in one launch each; from GEMM_MIN_TOKENS tokens the slots are sorted by expert
     and the gate/up and down products run as grouped matrix products (`experts_gemm`). q8: Q8 activations for
-    both products (`linear_blocks`): one token by `gemv_q8x` where the types have its kernels, with a quantize
-    launch before each. No device check (see `linear_blocks`)."""
+    both products (`linear_blocks`): one token by `gemv_q8x` where the types have its kernels, the GLU writing
+    the down projections' Q8 units itself where it can, else a quantize launch before each. No device check (see
+    `linear_blocks`)."""
     n_tok, k = top_i.shape
     h_dim = a.shape[-1]
     i_dim = gate[0].shape[1]
@@ -227,7 +228,7 @@ def experts_blocks(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
     if (q8 and n_tok == 1 and gate[1] == up[1] and _q8_kernel(x, gate[1], gate[0], up[0])
             and _q8_types(down[1], i_dim, down[0])):
         h = gemv_q8x.gemv_experts_glu(gemv_q8x.quantize(x, gate[1]), gate[0], up[0], ids, gate[1], h_dim,
-                                      out_dtype=a.dtype)
+                                      out_dtype=a.dtype, units_for=down[1])
         return gemv_q8x.gemv_experts_sum(gemv_q8x.quantize(h, down[1]), down[0], ids, top_w.reshape(-1).contiguous(),
                                          down[1], i_dim, out_dtype=a.dtype, ids_settled=SETTLED_IDS)
     xg = q8_input(x, gate[1], q8)
