@@ -174,6 +174,34 @@ def test_attend_matches_reference(L, W, split, dtype, tile):
     assert (got.float() - want.float()).abs().max() <= tol
 
 
+@pytest.mark.parametrize("tile", [None, 128])  # one merge program per head (BD 64), or two of 32 dims
+def test_attend_q8_units_are_the_quantized_output(monkeypatch, tile):
+    """With q8_span the merge programs also write their dims as Q8 units: `gemv_q8x.quantize`'s bytes of the
+    output (every byte: the buffer starts as -128), returned by `quantize` of it without a launch; the output
+    is the call's without units. One split (no merge): nothing recorded."""
+    from strata.kernels import gemv_q8x, gemv_rr
+
+    monkeypatch.setattr(attention, "torch", _PoisonedUnits())
+    cfg = config(head_dim=64, indexer_head_dim=64)
+    g = torch.Generator().manual_seed(4)
+    state = QSAState.empty(cfg, torch.bfloat16, "cpu", 64)
+    state.k.normal_(generator=g)
+    state.v.normal_(generator=g)
+    qg = torch.randn(1, 4, 128, generator=g).to(torch.bfloat16)
+    q, gate = qg[..., :64], qg[..., 64:]
+    idx = torch.randint(0, 64, (1, 100), generator=g)
+    ok = torch.rand(1, 100, generator=g) > 0.3
+    kw = {"split": 32, "merge_tile": tile or attention.MERGE_TILE}
+    plain = attention.attend(q, state, idx, ok, cfg, gate, **kw)
+    got = attention.attend(q, state, idx, ok, cfg, gate, **kw, q8_span=8)
+    assert torch.equal(got, plain)
+    xq = gemv_q8x.quantize(got, "Q8_0_R")
+    assert xq is gemv_rr.recorded_q8x(got, 8)
+    assert torch.equal(xq, gemv_q8x.quantize(got.clone(), "Q8_0_R"))
+    single = attention.attend(q, state, idx, ok, cfg, gate, split=128, q8_span=8)
+    assert gemv_rr.recorded_q8x(single, 8) is None
+
+
 @pytest.mark.parametrize("W,split,dtype", [(11, None, torch.float32), (70, 32, torch.float32),
                                            (70, 32, torch.bfloat16)])
 def test_gated_attend_matches_reference(W, split, dtype):

@@ -44,10 +44,11 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   norm-ropes:split           the QSA layer's two query norm+RoPE ops in two launches (`qsa.norm_ropes_ref` over the
                              single kernel) instead of one (`norm_rope.norm_ropes`)
   activations:q8             products with quantized weights take Q8 activations (`strata generate --activations
-                             q8`: `gemv_q8x`; the HC reads and the GDN step write their outputs' Q8 units,
-                             every other GEMV input takes a quantize launch); its prefill logits differ
-  q8-units:off               with activations:q8: the HC reads and the GDN step write no Q8 units (a quantize
-                             launch before every Q8 GEMV)
+                             q8`: `gemv_q8x`; the HC reads, the GDN step, the attention merge and the routed GLU
+                             write their outputs' Q8 units, every other GEMV input takes a quantize launch); its
+                             prefill logits differ
+  q8-units:off               with activations:q8: no producer writes Q8 units (a quantize launch before every Q8
+                             GEMV)
   quantize:removed           with activations:q8: the quantize launches left out of the graph (units from the
                              warm-up): bounds what Q8 units written by their producers could gain
   x-widen:0|1                the row-register GEMVs widen bf16 x by inline PTX (1) or `.to(tl.float32)` (0)
@@ -97,7 +98,7 @@ BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attent
         "GEMM_SHAPE": (experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS), "quantize": gemv_q8x.quantize}
 
 
-Q8_UNIT_WRITERS = ("hc_read", "hc_write_read", "gdn_core")  # op entries that write Q8 units in the q8 mode
+Q8_UNIT_WRITERS = ("hc_read", "hc_write_read", "gdn_core", "attend")  # op entries that write Q8 units in the q8 mode
 
 PREFILL = {"chunk": 512}  # the prefill's chunk size for the variant being measured
 
@@ -173,6 +174,7 @@ def apply(variant: str) -> dict:
     hyper.hc_read_defaults = BASE["hc_read_defaults"]
     gemv_rr.launch_shape = BASE["launch_shape"]
     kernel_ops.SETTLED_IDS = BASE["SETTLED_IDS"]
+    kernel_ops.Q8_UNITS_FROM_GLU = True
     gemv_rr.RELEASE.update(BASE["RELEASE"])
     gemv_rr.launch = BASE["rr_launch"]
     pdl.LATE_RELEASE.update(BASE["LATE_RELEASE"])
@@ -232,6 +234,7 @@ def _apply_one(variant: str) -> dict:
         q8 = fast_ops(streams=True, activations="q8")
         return {n: getattr(q8, n) for n in ("linear", "linears", "mlp", "experts", *Q8_UNIT_WRITERS)}
     elif name == "q8-units" and args == ["off"]:
+        kernel_ops.Q8_UNITS_FROM_GLU = False
         plain = fast_ops(streams=True)
         return {n: getattr(plain, n) for n in Q8_UNIT_WRITERS}
     elif name == "quantize" and args == ["removed"]:

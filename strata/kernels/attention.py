@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 from strata.config import ModelConfig
-from strata.kernels import pdl
+from strata.kernels import gemv_rr, pdl
+from strata.kernels.gemv_rr import store_q8x_runs
 from strata.kernels.select import (expand_blocks, select_blocks, select_blocks_ranked, select_blocks_wide,
                                   wide_supported)
 from strata.model import topk
@@ -116,12 +117,14 @@ def _gated(o, g_ptrs, mask, DT: tl.constexpr):
 
 
 @triton.jit
-def _attn_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, gate_ptr, HQ, HD, NS, s_outl, s_gl, s_gh,
+def _attn_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, gate_ptr, xq_ptr, HQ, HD, NS, s_outl, s_gl, s_gh, s_xql,
                        BS: tl.constexpr, BD: tl.constexpr, ONE_PASS: tl.constexpr, DT: tl.constexpr,
-                       GATE: tl.constexpr, GDC: tl.constexpr = False):
+                       GATE: tl.constexpr, Q8: tl.constexpr = 0, GDC: tl.constexpr = False):
     """out[l, h, BD dims] from the NS splits' (max, sum, partial output) of head h. ONE_PASS (NS <= BS): every
     split's max, sum and partial dims loaded at once, one dependent round trip; else BS splits at a time after
-    a first pass for the max (a (splits x dims) tile would not fit in registers)."""
+    a first pass for the max (a (splits x dims) tile would not fit in registers). Q8 (a word span of
+    `gemv_rr.Q8X_ORDER`, 0: none; BD a multiple of 32 dividing HD): the program also stores its dims as Q8 units
+    to xq (`gemv_rr.store_q8x_runs`), for the o projection's Q8 GEMV."""
     pdl.started(GDC)
     pdl.wait(GDC)
     l = tl.program_id(0)
@@ -158,6 +161,10 @@ def _attn_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, gate_ptr, HQ, HD, NS, s_o
     if GATE:
         o = _gated(o, gate_ptr + l * s_gl + h * s_gh + d, dm, DT)
     tl.store(out_ptr + l * s_outl + h * HD + d, o.to(DT), mask=dm)
+    if Q8 > 0:
+        tl.debug_barrier()  # every thread's dims are stored before they are read back
+        rr = (h * HD + tl.program_id(2) * BD) // 32 + tl.arange(0, BD // 32)[:, None]
+        store_q8x_runs(out_ptr + l * s_outl, xq_ptr + l * s_xql, rr, rr >= 0, Q8, BD // 32, CG=True)
 
 
 MERGE_TILE = 8192
@@ -181,11 +188,13 @@ def attend_supported(q: torch.Tensor, state: QSAState) -> bool:
 
 def attend(q: torch.Tensor, state: QSAState, idx: torch.Tensor, ok: torch.Tensor, cfg: ModelConfig,
            gate: torch.Tensor | None = None, split: int | None = None, block_w: int = 32,
-           merge_tile: int = MERGE_TILE) -> torch.Tensor:
+           merge_tile: int = MERGE_TILE, q8_span: int | None = None) -> torch.Tensor:
     """Softmax attention of q (L, Hq, hd) over cache rows `idx` (L, W) where `ok`, times sigmoid(gate (L, Hq,
     hd)) when given (applied at the store); (L, Hq*hd) in q's dtype. `split` is the number of keys per program
     (a multiple of `block_w`; None picks one that fills the GPU); `merge_tile` the merge programs' tile
-    (`MERGE_TILE`, a power of two)."""
+    (`MERGE_TILE`, a power of two). q8_span (a word span of `gemv_rr.Q8X_ORDER`): where the splits are merged
+    in whole runs of 32 dims, the merge also writes the output as Q8 activations for words of that span and
+    records them (`gemv_rr.record_q8x`) for the o projection's Q8 GEMV (`--activations q8`)."""
     L, hq, hd = q.shape
     hkv = cfg.num_key_value_heads
     G = hq // hkv
@@ -223,9 +232,16 @@ def attend(q: torch.Tensor, state: QSAState, idx: torch.Tensor, ok: torch.Tensor
         nsp = triton.next_power_of_2(ns)
         bd = max(16, min(HDP, merge_tile // nsp))
         bs = min(nsp, max(1, merge_tile // bd))
+        emit = (q8_span is not None and bd % 32 == 0 and hd % bd == 0
+                and hq * hd % gemv_rr.Q8X_UNIT[0] == 0)
+        xq = torch.empty(L, hq * hd // gemv_rr.Q8X_UNIT[0] * gemv_rr.Q8X_UNIT[1], dtype=torch.int8,
+                         device=dev) if emit else out
         _attn_merge_kernel[(L, hq, triton.cdiv(hd, bd))](
-            m, lsum, acc, out, g, hq, hd, ns, out.stride(0), g.stride(0), g.stride(1), BS=bs, BD=bd,
-            ONE_PASS=bs >= ns, DT=TL_DTYPES[q.dtype], GATE=gate is not None, **pdl.launch(dev))
+            m, lsum, acc, out, g, xq, hq, hd, ns, out.stride(0), g.stride(0), g.stride(1), xq.stride(0), BS=bs,
+            BD=bd, ONE_PASS=bs >= ns, DT=TL_DTYPES[q.dtype], GATE=gate is not None, Q8=q8_span if emit else 0,
+            **pdl.launch(dev))
+        if emit:
+            gemv_rr.record_q8x(out, xq, q8_span)
     return out
 
 

@@ -41,16 +41,17 @@ def _entry(kernel: Callable, supported: Callable, fallback: Callable, force: boo
 def fused_ops(base: Ops, force: bool = False, q8: bool = False) -> Ops:
     """`base` with the fused entries installed (each falling back to what `base` had). `force` runs the
     kernels on any device (CPU tensors need TRITON_INTERPRET=1); without it they run only on CUDA tensors.
-    q8: the Q8-activation mode (`base` from `triton_ops(q8=True)`): the HC reads and the GDN step also write
-    their output as the Q8 units of the GEMVs that read it (`hyper.Q8_SPAN`), which then launch no quantize of
-    their own."""
+    q8: the Q8-activation mode (`base` from `triton_ops(q8=True)`): the HC reads, the GDN step and the attention
+    merge also write their output as the Q8 units of the GEMVs that read it (`hyper.Q8_SPAN`), which then launch
+    no quantize of their own."""
     span = hyper.Q8_SPAN if q8 else None
     # name -> (kernel, supported); both take the entry's arguments (the cases each kernel covers: one token for
     # GDN, the HC read with dense weights and the PLE mix, a few queries/tokens for the rest)
     table: dict[str, tuple[Callable, Callable]] = {
         "gdn_core": (lambda *a: gdn.gdn_step(*a, q8_span=span),
                      lambda x, z, b, a, prm, state, cfg: gdn.supported(x, state, cfg)),
-        "attend": (attention.attend, lambda q, state, *_: attention.attend_supported(q, state)),
+        "attend": (lambda *a: attention.attend(*a, q8_span=span),
+                   lambda q, state, *_: attention.attend_supported(q, state)),
         "hc_read": (lambda *a: hyper.hc_read(*a[:7], q8_span=span),  # the kernel needs no `linear`
                     lambda x, n, down, up, inj, *_: hyper.supported(x, down, up, inj)),
         "norm_rope": (norm_rope_kernel.norm_rope, lambda x, scale, cos, *_: norm_rope_kernel.supported(x, scale, cos)),

@@ -62,6 +62,11 @@ SETTLED_IDS = True
 (`gemv_rr.PRELOAD`), before their PDL wait (the GLU launch between them and the routing waited for it:
 `gemv_experts_sum`'s `ids_settled`); False for A/B runs (`tools/step_variants.py`)."""
 
+Q8_UNITS_FROM_GLU = True
+"""In the Q8-activation mode, one token's routed GLU writes the down projections' Q8 units itself
+(`gemv_q8x.gemv_experts_glu`'s units_for) instead of a quantize launch between the two; False for A/B runs
+(`tools/step_variants.py q8-units:off`)."""
+
 _FLOAT_X = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -228,7 +233,7 @@ def experts_blocks(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
     if (q8 and n_tok == 1 and gate[1] == up[1] and _q8_kernel(x, gate[1], gate[0], up[0])
             and _q8_types(down[1], i_dim, down[0])):
         h = gemv_q8x.gemv_experts_glu(gemv_q8x.quantize(x, gate[1]), gate[0], up[0], ids, gate[1], h_dim,
-                                      out_dtype=a.dtype, units_for=down[1])
+                                      out_dtype=a.dtype, units_for=down[1] if Q8_UNITS_FROM_GLU else None)
         return gemv_q8x.gemv_experts_sum(gemv_q8x.quantize(h, down[1]), down[0], ids, top_w.reshape(-1).contiguous(),
                                          down[1], i_dim, out_dtype=a.dtype, ids_settled=SETTLED_IDS)
     xg = q8_input(x, gate[1], q8)
