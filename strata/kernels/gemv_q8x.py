@@ -13,6 +13,8 @@ fp32 pairs, each run's bytes ordered as its consumer's words hold their weights 
 weight 8b + w for Q4_K_R, Q6_K_R and Q8_0_R, weight 4b + w and 16 + 4b + w for Q5_1_R: `ORDER`), so each 4-byte word of
 weights meets one 4-byte word of x. Everything else (launch shapes, K split, expert ids, the GLU and the slot sum,
 PDL) is the row-register kernel's, which takes these units in place of float x (`gemv_rr._rr_kernel`'s XQ).
+Kernels that produce a GEMV input can write its units as well (`gemv_rr.store_q8x_runs`) and record them
+(`gemv_rr.record_q8x`); `quantize` returns recorded units instead of launching.
 
 Numerics: the integer dot products are exact, so a launch computes the stored weights times `round_q8(x)` up to
 fp32 summation order, which the tests check against float64.
