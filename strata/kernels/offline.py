@@ -58,13 +58,13 @@ def compile_rr(kind: str, n: int, k: int, *, glu: bool = False, x: str = "bf16",
     br, sbc, warps = shape or gemv_rr.launch_shape(kind, n_chunks, -(-n // 8))[:3]
     rb = n_chunks * chunk_bytes
     ptrs = dict(x_ptr="*i8" if q8x else f"*{x}", g_ptr="*u8", u_ptr="*u8", ids_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32",
-                cnt_ptr="*i32", sw_ptr="*fp32")
+                cnt_ptr="*i32", sw_ptr="*fp32", q_ptr="*i8")
     ints = dict(N=n, g_row_stride=rb, u_row_stride=rb, g_slot_stride=rb * n, u_slot_stride=rb * n, x_slot_stride=0,
-                out_slot_stride=0, BASE=gemv_rr._BASE[kind], X_ROW_STRIDE=0, D_STRIDE=1)
+                out_slot_stride=0, q_slot_stride=0, BASE=gemv_rr._BASE[kind], X_ROW_STRIDE=0, D_STRIDE=1)
     consts = dict(KIND=kind, CHUNK_ELEMS=elems, CHUNK_BYTES=chunk_bytes, NCH=n_chunks, SBC=sbc, BR=br, GLU=glu,
                   HAS_IDS=has_ids, ASM=True, SPLIT_SUM=gemv._split_sum, SPLIT=1, SLOT_SUM=0, IDS_EARLY=ids_early,
                   RELEASE=gemv_rr.AFTER_LOOP if release is None else release,
-                  PRE=gemv_rr.preload_steps(kind, n_chunks // sbc), XW=widen, XQ=q8x, GDC=gdc)
+                  PRE=gemv_rr.preload_steps(kind, n_chunks // sbc), XW=widen, XQ=q8x, QOUT=0, GDC=gdc)
     ck = compile_for(gemv_rr._rr_kernel, ptrs, ints, consts, warps, arch)
     return ck, dict(type=kind, n=n, k=k, kernel="rr glu" if glu else "rr", BN=br, warps=warps, NB=sbc,
                     x="q8" if q8x else x,
