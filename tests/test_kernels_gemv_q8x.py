@@ -185,3 +185,17 @@ def test_experts_glu_writes_the_next_products_units(kind: str, units_for: str, d
         assert all(int(c.abs().sum()) == 0 for c in G._counters.values())
     short = Q.gemv_experts_glu(xq, gs[:, :96], us[:, :96], ids, kind, k, out_dtype=dtype, units_for=units_for)
     assert Q.gemv_rr.recorded_q8x(short, Q.ORDER[units_for]) is None
+
+
+def test_round_rows_is_the_reference_rounding() -> None:
+    """One launch gives `round_q8(x)` cast to x's dtype: bit for bit in fp32; in bf16 within one bf16 ulp (the
+    interpreter truncates fp32 -> bf16 casts where the GPU rounds to nearest). Several rows, partly masked
+    programs, all-zero runs; a K that is not a multiple of 32 is refused."""
+    x = activations(3, 1280, 11)  # 40 runs: three programs per row
+    assert torch.equal(Q.round_rows(x), round_q8(x))
+    xb = x.to(torch.bfloat16).reshape(3, 2, 640)
+    got, want = Q.round_rows(xb).float(), round_q8(xb).float()
+    ulp = torch.ldexp(torch.ones_like(want), torch.frexp(want).exponent - 8)
+    assert got.shape == xb.shape and ((got - want).abs() <= ulp).all()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Q.round_rows(torch.zeros(2, 48))

@@ -45,7 +45,7 @@ def test_model_decodes_with_q8_activations_as_the_reference(monkeypatch) -> None
     shape = gemv_rr.launch_shape  # 16x the rows per program: 16x fewer programs for the interpreter to run
     monkeypatch.setattr(gemv_rr, "launch_shape", lambda *a: (lambda s: (16 * s[0], *s[1:]))(shape(*a)))
     calls = reference.count_calls(monkeypatch, {n: (gemv_q8x, n) for n in (
-        "quantize", "gemv", "gemv_glu", "gemv_experts_glu", "gemv_experts_sum")})
+        "quantize", "gemv", "gemv_glu", "gemv_experts_glu", "gemv_experts_sum", "round_rows")})
     hits = []  # quantize calls served by the units an HC read wrote (`fused_ops(q8=True)`)
     lookup = gemv_rr.recorded_q8x
     monkeypatch.setattr(gemv_rr, "recorded_q8x", lambda *a: (lambda u: hits.append(u is not None) or u)(lookup(*a)))

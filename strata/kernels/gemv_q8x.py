@@ -89,6 +89,41 @@ def quantize(x: torch.Tensor, kind: str, out: torch.Tensor | None = None) -> tor
     return out
 
 
+@triton.jit
+def _round_kernel(x_ptr, y_ptr, RUNS, x_row_stride, y_row_stride, RB: tl.constexpr, GDC: tl.constexpr = False):
+    """RB runs of one row of x (program (i, row)) rounded to Q8 and back: y = d q in y's dtype, as
+    `act_quant.round_q8` then the cast (the same divisions as `gemv_rr.store_q8x_runs`)."""
+    pdl.enter(GDC, False)
+    row = tl.program_id(1).to(tl.int64)
+    run = tl.program_id(0) * RB + tl.arange(0, RB)[:, None]
+    p = tl.arange(0, 32)[None, :]
+    ok = run < RUNS
+    v = tl.load(x_ptr + row * x_row_stride + run * 32 + p, mask=ok, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(v), axis=1)[:, None]
+    d = tl.div_rn(amax, tl.full([RB, 1], 127.0, tl.float32))
+    pos = d > 0
+    r = tl.where(pos, tl.div_rn(v, tl.where(pos, d, 1.0) + tl.zeros([RB, 32], tl.float32)), 0.0)
+    q = (r + tl.where(r < 0, -0.5, 0.5)).to(tl.int32)
+    q = tl.minimum(tl.maximum(q, -127), 127)
+    tl.store(y_ptr + row * y_row_stride + run * 32 + p, (q.to(tl.float32) * d).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def round_rows(x: torch.Tensor) -> torch.Tensor:
+    """`act_quant.round_q8(x).to(x.dtype)` in one launch, for products whose weights have no Q8-activation GEMV
+    (the reference's PyTorch ops would be ~15 launches per call); x (..., K) float, K a multiple of 32."""
+    k = x.shape[-1]
+    if k % RUN or not x.dtype.is_floating_point:
+        raise ValueError(f"Q8 activations: expected float rows of a multiple of {RUN} values, got "
+                         f"{tuple(x.shape)} {x.dtype}")
+    x2 = x.reshape(-1, k)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.numel():
+        _round_kernel[(triton.cdiv(k // RUN, RUNS_PER_PROGRAM), x2.shape[0])](
+            x2, y, k // RUN, x2.stride(0), y.stride(0), RB=RUNS_PER_PROGRAM, num_warps=4, **pdl.launch(x.device))
+    return y.reshape(x.shape)
+
+
 def unpack(xq: torch.Tensor, kind: str, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q [rows, k] int8 in value order, d, s [rows, k / 32] fp32) of `quantize`'s output: the layout, read back."""
     rows = xq.shape[0]

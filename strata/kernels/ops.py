@@ -38,7 +38,8 @@ from strata.kernels.gemv import (GEMV_TYPE_NAMES, MAX_TOKENS, OUT_DTYPES, dequan
                                  gemv_experts_glu, gemv_experts_sum, gemv_glu)
 from strata.kernels import gemv_q8x, gemv_rr
 from strata.kernels.moe import slot_sum
-from strata.model.act_quant import DENSE_KINDS, q8_input
+from strata.model.act_quant import DENSE_KINDS, RUN
+from strata.model.act_quant import q8_input as q8_input_ref
 from strata.model.experts import experts_gather, experts_ref
 from strata.model.ops import Ops, embed_ref, linear_q8_ref, linear_ref, linears_ref, mlp_ref
 from strata.model.ple import decode_rows_ref
@@ -95,6 +96,14 @@ def _q8_types(kind: str, k: int, *mats: torch.Tensor) -> bool:
     multiple of 128, rows 16-byte aligned."""
     return (kind in gemv_q8x.ORDER and k % 128 == 0
             and all(gemv_rr.covers(kind, 1, m, None, (m.stride(0),) if m.dim() == 3 else ()) for m in mats))
+
+
+def q8_input(x: torch.Tensor, kind: str, q8: bool = True) -> torch.Tensor:
+    """`act_quant.q8_input` (x rounded to Q8 activations where `kind` is block-quantized), in one launch
+    (`gemv_q8x.round_rows`) where x lives on the GPU: the input of a product whose weights have no Q8 GEMV."""
+    if q8 and kind not in DENSE_KINDS and _on_gpu(x) and x.shape[-1] % RUN == 0 and x.dtype in _FLOAT_X:
+        return gemv_q8x.round_rows(x)
+    return q8_input_ref(x, kind, q8)
 
 
 def linear_blocks(x: torch.Tensor, data: torch.Tensor, kind: str, bias: StoredTensor | None = None,
