@@ -92,19 +92,14 @@ def quantize(x: torch.Tensor, kind: str, out: torch.Tensor | None = None) -> tor
 @triton.jit
 def _round_kernel(x_ptr, y_ptr, RUNS, x_row_stride, y_row_stride, RB: tl.constexpr, GDC: tl.constexpr = False):
     """RB runs of one row of x (program (i, row)) rounded to Q8 and back: y = d q in y's dtype, as
-    `act_quant.round_q8` then the cast (the same divisions as `gemv_rr.store_q8x_runs`)."""
+    `act_quant.round_q8` then the cast (`gemv_rr.q8x_round`)."""
     pdl.enter(GDC, False)
     row = tl.program_id(1).to(tl.int64)
     run = tl.program_id(0) * RB + tl.arange(0, RB)[:, None]
     p = tl.arange(0, 32)[None, :]
     ok = run < RUNS
     v = tl.load(x_ptr + row * x_row_stride + run * 32 + p, mask=ok, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(v), axis=1)[:, None]
-    d = tl.div_rn(amax, tl.full([RB, 1], 127.0, tl.float32))
-    pos = d > 0
-    r = tl.where(pos, tl.div_rn(v, tl.where(pos, d, 1.0) + tl.zeros([RB, 32], tl.float32)), 0.0)
-    q = (r + tl.where(r < 0, -0.5, 0.5)).to(tl.int32)
-    q = tl.minimum(tl.maximum(q, -127), 127)
+    q, d = gemv_rr.q8x_round(v, RB)
     tl.store(y_ptr + row * y_row_stride + run * 32 + p, (q.to(tl.float32) * d).to(y_ptr.dtype.element_ty), mask=ok)
 
 

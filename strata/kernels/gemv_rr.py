@@ -510,6 +510,18 @@ def _store(optr, v, rows, N):
 
 
 @triton.jit
+def q8x_round(v, RB: tl.constexpr):
+    """(q int32, d fp32 [RB, 1]) of RB runs of 32 fp32 values v [RB, 32]: `act_quant.quantize_q8`'s integers and
+    scales, with the same correctly rounded divisions."""
+    amax = tl.max(tl.abs(v), axis=1)[:, None]
+    d = tl.div_rn(amax, tl.full([RB, 1], 127.0, tl.float32))
+    pos = d > 0
+    r = tl.where(pos, tl.div_rn(v, tl.where(pos, d, 1.0) + tl.zeros([RB, 32], tl.float32)), 0.0)
+    q = (r + tl.where(r < 0, -0.5, 0.5)).to(tl.int32)
+    return tl.minimum(tl.maximum(q, -127), 127), d
+
+
+@triton.jit
 def store_q8x_runs(x_ptr, q_ptr, run, ok, SPAN: tl.constexpr, RB: tl.constexpr, CG: tl.constexpr = False):
     """Runs `run` ([RB, 1] run indices, `ok` those that exist) of one row of x (`x_ptr`, float) rounded to Q8
     (`act_quant.quantize_q8`, the same divisions) and stored as that row's units (`q_ptr`, `Q8X_UNIT`),
@@ -527,12 +539,7 @@ def store_q8x_runs(x_ptr, q_ptr, run, ok, SPAN: tl.constexpr, RB: tl.constexpr, 
         v = tl.load(x_ptr + run * 32 + src, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
     else:
         v = tl.load(x_ptr + run * 32 + src, mask=ok, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(v), axis=1)[:, None]
-    d = tl.div_rn(amax, tl.full([RB, 1], 127.0, tl.float32))
-    pos = d > 0
-    r = tl.where(pos, tl.div_rn(v, tl.where(pos, d, 1.0) + tl.zeros([RB, 32], tl.float32)), 0.0)
-    q = (r + tl.where(r < 0, -0.5, 0.5)).to(tl.int32)
-    q = tl.minimum(tl.maximum(q, -127), 127)
+    q, d = q8x_round(v, RB)
     s = d * tl.sum(q, axis=1)[:, None].to(tl.float32)
     base = q_ptr + (run // 4) * 160
     tl.store(base + (run % 4) * 32 + p, q.to(tl.int8), mask=ok)
