@@ -194,7 +194,7 @@ def test_q8_units_are_the_quantized_output(block_h, write):
     call = hyper.hc_write_read if write else hyper.hc_read
     plain = call(x, *wr, *args, **knobs)
     for _ in range(2):
-        got = call(x, *wr, *args, **knobs, q8_span=hyper.Q8_SPAN)
+        got = call(x, *wr, *args, **knobs, q8_span=gemv_q8x.UNITS_SPAN)
         assert all(torch.equal(g, p) for g, p in zip(got, plain, strict=True))
         a = got[-2]
         units = gemv_q8x.quantize(a, "Q8_0_R")
@@ -209,5 +209,5 @@ def test_q8_units_need_a_hidden_size_of_whole_units():
     """H not a multiple of 128 (a unit): no units are written or recorded, `quantize` launches."""
     S, H, R = 2, 96, 16
     x, norm, down, up, inject = make(S, H, R, torch.float32, seed=3)
-    a, _ = hyper.hc_read(x, norm, down, up, inject, S, EPS, q8_span=hyper.Q8_SPAN)
-    assert gemv_rr.recorded_q8x(a, hyper.Q8_SPAN) is None
+    a, _ = hyper.hc_read(x, norm, down, up, inject, S, EPS, q8_span=gemv_q8x.UNITS_SPAN)
+    assert gemv_rr.recorded_q8x(a, gemv_q8x.UNITS_SPAN) is None

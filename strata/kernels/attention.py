@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from strata.config import ModelConfig
-from strata.kernels import gemv_rr, pdl
+from strata.kernels import gemv_q8x, gemv_rr, pdl
 from strata.kernels.gemv_rr import store_q8x_runs
 from strata.kernels.select import (expand_blocks, select_blocks, select_blocks_ranked, select_blocks_wide,
                                   wide_supported)
@@ -232,10 +232,8 @@ def attend(q: torch.Tensor, state: QSAState, idx: torch.Tensor, ok: torch.Tensor
         nsp = triton.next_power_of_2(ns)
         bd = max(16, min(HDP, merge_tile // nsp))
         bs = min(nsp, max(1, merge_tile // bd))
-        emit = (q8_span is not None and bd % 32 == 0 and hd % bd == 0
-                and hq * hd % gemv_rr.Q8X_UNIT[0] == 0)
-        xq = torch.empty(L, hq * hd // gemv_rr.Q8X_UNIT[0] * gemv_rr.Q8X_UNIT[1], dtype=torch.int8,
-                         device=dev) if emit else out
+        emit = q8_span is not None and bd % 32 == 0 and hd % bd == 0 and hq * hd % gemv_q8x.UNIT_VALUES == 0
+        xq = torch.empty(L, gemv_q8x.row_bytes(hq * hd), dtype=torch.int8, device=dev) if emit else out
         _attn_merge_kernel[(L, hq, triton.cdiv(hd, bd))](
             m, lsum, acc, out, g, xq, hq, hd, ns, out.stride(0), g.stride(0), g.stride(1), xq.stride(0), BS=bs,
             BD=bd, ONE_PASS=bs >= ns, DT=TL_DTYPES[q.dtype], GATE=gate is not None, Q8=q8_span if emit else 0,

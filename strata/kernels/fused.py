@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from strata.kernels import attention, gdn, hyper, moe, qsa_store
+from strata.kernels import attention, gdn, gemv_q8x, hyper, moe, qsa_store
 from strata.kernels import hc_write as hc_write_kernel
 from strata.kernels import norm_rope as norm_rope_kernel
 from strata.kernels import ple as ple_kernel
@@ -42,9 +42,9 @@ def fused_ops(base: Ops, force: bool = False, q8: bool = False) -> Ops:
     """`base` with the fused entries installed (each falling back to what `base` had). `force` runs the
     kernels on any device (CPU tensors need TRITON_INTERPRET=1); without it they run only on CUDA tensors.
     q8: the Q8-activation mode (`base` from `triton_ops(q8=True)`): the HC reads, the GDN step and the attention
-    merge also write their output as the Q8 units of the GEMVs that read it (`hyper.Q8_SPAN`), which then launch
+    merge also write their output as the Q8 units of the GEMVs that read it (`gemv_q8x.UNITS_SPAN`), which then launch
     no quantize of their own."""
-    span = hyper.Q8_SPAN if q8 else None
+    span = gemv_q8x.UNITS_SPAN if q8 else None
     # name -> (kernel, supported); both take the entry's arguments (the cases each kernel covers: one token for
     # GDN, the HC read with dense weights and the PLE mix, a few queries/tokens for the rest)
     table: dict[str, tuple[Callable, Callable]] = {

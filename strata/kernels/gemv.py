@@ -755,11 +755,12 @@ def _launch_rr(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor 
         part = cnt = out  # unused
     else:
         part = torch.empty(tiles * (slots if summed else slots * split) * br, dtype=torch.float32, device=w.device)
-    if q_out is not None and not gemv_rr.writes_q8x_out(glu, n, slots, (br, sbc, warps, split), summed,
-                                                        tickets(w.device)):
-        q_out = None
     if q_out is not None:
-        cnt = tickets(w.device)  # a GLU without K split takes no other tickets
+        q_cnt = tickets(w.device)
+        if gemv_rr.writes_q8x_out(glu, n, slots, (br, sbc, warps, split), summed, q_cnt):
+            cnt = q_cnt  # a GLU without K split or slot sum takes no other tickets
+        else:
+            q_out = None
     gemv_rr.launch(t.name, x, w, ids, out, n, k, slots, w_slot_stride, x_slot_stride, out_slot_stride, up,
                    up_slot_stride, (br, sbc, warps, split), _split_sum, part, cnt, slot_weights,
                    pdl.launch(x.device), ids_early=ids_settled, q8x=q8x, q_out=q_out)

@@ -35,6 +35,11 @@ ORDER = gemv_rr.Q8X_ORDER
 UNIT_VALUES, UNIT_BYTES = gemv_rr.Q8X_UNIT
 RUNS_PER_PROGRAM = 16
 
+UNITS_SPAN = ORDER["Q8_0_R"]
+"""The word span of the Q8 units the producers of GEMV inputs write in the Q8-activation mode (HC read, GDN step,
+attention merge): that of every matrix GPU placement stores to read those outputs (the Q8_0_R projections and
+shared expert, the Q4_K_R routed experts, the Q6_K_R head)."""
+
 
 def row_bytes(k: int) -> int:
     """Bytes of one row of Q8 activations of k values (k a multiple of 128)."""

@@ -47,10 +47,6 @@ from strata.weights.tensor import StoredTensor
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 DENSE_KINDS = ("F32", "BF16", "F16")  # stored kinds `.dense` returns without dequantising
-Q8_SPAN = gemv_q8x.ORDER["Q8_0_R"]
-"""The word span of the Q8 units an HC read writes in the Q8-activation mode: that of every matrix GPU placement
-stores to read a block input (the Q8_0_R projections and shared expert, the Q4_K_R routed experts, the Q6_K_R
-head)."""
 STATS_BLOCK = 2048  # x values per statistics load: bounds the registers the inverse-RMS pass holds
 
 
