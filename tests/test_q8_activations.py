@@ -112,3 +112,39 @@ def test_entries_take_q8_kernels_where_they_apply(monkeypatch) -> None:
         want = round_q8(x[:rows]).double() @ ref.T
         assert (y.double() - want).abs().max() <= 1e-5 * want.abs().max()
         assert calls[path] == before[path] + 1
+
+
+def test_jittered_linear_moves_each_row_by_at_most_rel_of_its_largest_value() -> None:
+    from strata.model.ops import jittered_linear
+
+    w = _weights()["L0.gdn.out"]
+    x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(6))
+    y = linear_ref(x, w)
+    assert torch.equal(jittered_linear(linear_ref, 0.0, 1)(x, w), y)
+    moved = jittered_linear(linear_ref, 1e-3, 1)(x, w) - y
+    assert 0 < moved.abs().max() <= 1e-3 * y.abs().amax() * (1 + 1e-6)
+    assert torch.equal(jittered_linear(linear_ref, 1e-3, 1)(x, w), jittered_linear(linear_ref, 1e-3, 1)(x, w))
+
+
+def test_q8_mode_is_discontinuous_at_rounding_boundaries(fixtures_dir) -> None:
+    """Why the GPU check of the mode allows more than the float check (tools/gpu_check_model.py): jittering the
+    reference's products by ~1e-6 of their rows' largest values (the size of fp32 accumulation-order differences)
+    moves float-activation logits by about that much, but Q8-activation logits by orders of magnitude more, since
+    inputs at a rounding boundary land on the other integer."""
+    import dataclasses
+    import json
+
+    from strata.model.ops import jittered_linear
+    from strata.runtime.engine import load_weights
+
+    ids = json.loads((fixtures_dir / "prompt.json").read_text())["ids"]
+    w = load_weights(fixtures_dir / "tiny-IQ4_XS.gguf")
+    moved = {}
+    for mode in ("float", "q8"):
+        base = with_activations(Ops(), mode)
+        ref, jit = Engine(w, ops=base), Engine(w, ops=dataclasses.replace(
+            base, linear=jittered_linear(base.linear, 2.0**-20, 0)))
+        want = ref.prefill(ids, ref.new_state(), all_logits=True)
+        got = jit.prefill(ids, jit.new_state(), all_logits=True)
+        moved[mode] = float((got - want).abs().max() / want.abs().max())
+    assert moved["float"] < 1e-5 and moved["q8"] > 1e-4, moved

@@ -737,14 +737,16 @@ read them before their wait). Measured in the 4K step on an H200 (`tools/step_va
   with itself, a launch that lets the next one in early is slower (Q4_K_R 10240 x 2560 11.3 us without PDL, 15.8
   with FIRST): its successor's programs hold SM slots; in the step the successors are other, smaller launches."""
 
-PRELOAD = {"Q5_1_R": 5}
+PRELOAD = {"Q5_1_R": 5, "Q8_0_R/6": 6}
 """Loop steps of a launch's K loop whose words are loaded before its PDL wait, by type, or by type and loop steps
 as "Q8_0_R/6" (`preload_steps`; at most `MAX_PRELOAD`; the other types load one): more of the weights in flight
 while the kernel before runs, for more registers. In the 4K step on an H200
 (bench/results/2026-12-04-h200-step-variants-preload.json): the routed down projections (Q5_1_R, five steps) with
 all five, 4.598-4.609 -> 4.568 ms per replay (their share of a layer's path 9.4 -> 7.2 us). Two or more for every
 Q8_0_R launch (the same code, measured on 53861cb), the projection groups among them, made the step slower
-(4.67-4.72 ms: their early programs slow the HC read before them)."""
+(4.67-4.72 ms: their early programs slow the HC read before them); all six for the launches of six steps only (the
+GDN and QSA out projections, K split in 4) made it faster: 4.299-4.306 -> 4.236-4.241 ms on an H200
+(bench/results/2026-12-05-h200-step-variants-7423ce2.json), 4.686-4.694 -> 4.641 on an H100."""
 
 
 WIDEN_X_ASM = True

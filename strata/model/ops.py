@@ -37,6 +37,24 @@ def linear_q8_ref(x: torch.Tensor, w: StoredTensor, bias: StoredTensor | None = 
     return linear_ref(q8_input(x, w.kind), w, bias)
 
 
+def jittered_linear(linear: Callable, rel: float, seed: int) -> Callable:
+    """`linear` with rel * u * max |row| added to each output value, u uniform in [-1, 1] (a seeded stream): the
+    reference perturbed by the size of the differences between two correct implementations (fp32 accumulation
+    order: ~1e-7 of a row's largest product). Where the model is continuous in its products (float activations) the logits
+    move by about as much; the Q8-activation mode is not (an input at a rounding boundary lands on either
+    integer, a step of 1/127 of its run's largest value), and how far it moves bounds what another correct
+    implementation of the mode may differ by (`tools/gpu_check_model.py`)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def jittered(x: torch.Tensor, w: StoredTensor, bias: StoredTensor | None = None) -> torch.Tensor:
+        y = linear(x, w, bias)
+        u = torch.rand(y.shape, generator=gen, dtype=torch.float64).to(y.device)
+        scale = y.double().abs().amax(-1, keepdim=True)
+        return (y.double() + rel * scale * (2 * u - 1)).to(y.dtype)
+
+    return jittered
+
+
 def linears_ref(x: torch.Tensor, ws: Sequence[StoredTensor], biases: Sequence[StoredTensor | None],
                 linear: Callable) -> list[torch.Tensor]:
     """x through several weights that read the same x: [linear(x, w, b) for each]. A fast backend runs weights
