@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     dev = torch.device(args.device)
     pdl.set_enabled(not args.no_pdl)
     bw = bench.copy_bandwidth(dev)
+    torch.cuda.empty_cache()  # hand the copy's 4 GiB back before the model is built
     print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s", file=sys.stderr)
     mix = TypeMix()
     if args.model:
@@ -97,21 +98,30 @@ def run(args: argparse.Namespace) -> int:
               "ops": "reference" if args.reference_ops else "triton", "activations": args.activations,
               "pdl": not args.reference_ops and pdl.active(dev),
               "branch_streams": not args.reference_ops and not args.one_stream, "split_step": not args.no_split,
+              "memory_gib": {"model": torch.cuda.memory_allocated(dev) / 2**30,
+                             "device": torch.cuda.get_device_properties(dev).total_memory / 2**30},
               "decode": []}
+    print(f"model: {report['memory_gib']['model']:.1f} GiB of the device's {report['memory_gib']['device']:.1f}",
+          file=sys.stderr)
     for ctx in contexts:
+        torch.cuda.reset_peak_memory_stats(dev)
         r = bench.bench_decode(model, ctx, args.tokens, args.runs, stage_table=not args.no_stages,
                                split=not args.no_split)
         b = bench.token_bytes(weights, ctx)
         r["bytes_per_token"] = b
         r["floor_ms"] = b["total"] / bw * 1e3
         r["fraction_of_floor"] = r["floor_ms"] / r["ms_per_token"]
+        r["peak_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
         report["decode"].append(r)
         print(f"ctx {ctx:>7}: {r['ms_per_token']:.3f} ms/token ({r['tok_per_s']:.1f} tok/s), floor "
-              f"{r['floor_ms']:.3f} ms, {100 * r['fraction_of_floor']:.1f}% of floor; replay "
+              f"{r['floor_ms']:.3f} ms, {100 * r['fraction_of_floor']:.1f}% of floor; peak "
+              f"{r['peak_memory_gib']:.1f} GiB; replay "
               f"{r['graph_replay_ms']:.3f} ms; host " + ", ".join(
                   f"{k} {v:.3f}" for k, v in r["host_ms_per_token"]["phases"].items()), file=sys.stderr)
     if args.prefill_tokens:
+        torch.cuda.reset_peak_memory_stats(dev)
         report["prefill"] = bench.bench_prefill(model, args.prefill_tokens, runs=args.runs, profile=args.profile)
+        report["prefill"]["peak_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
     if args.profile:  # after every timing: a process that has run the profiler launches more slowly
         report["decode"][0].update(bench.profile_decode(model, contexts[0], args.tokens, args.runs,
                                                         split=not args.no_split, timeline=args.timeline))
