@@ -49,6 +49,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except RuntimeError as e:  # torch.OutOfMemoryError, named without importing torch here
+        if type(e).__name__ != "OutOfMemoryError" or args.debug:
+            raise
+        hint = OOM_HINTS.get(args.command, OOM_HINTS["model"])
+        print(f"strata {args.command}: error: out of device memory: {str(e).splitlines()[0]}\n  {hint}",
+              file=sys.stderr)
+        return 2
+
+
+OOM_HINTS = {
+    "bench": "the synthetic model at the real geometry takes ~76 GiB and each context's caches more (a 128K step "
+             "peaks at ~83 GiB): try shorter --contexts or fewer --layers",
+    "model": "the weights and the caches, allocated for --context positions, must fit: try a shorter --context, "
+             "a smaller quantization of the model, or --device cpu",
+}
+"""What to try when a command runs out of device memory, by command."""
 
 
 if __name__ == "__main__":
