@@ -40,9 +40,9 @@ def linear_q8_ref(x: torch.Tensor, w: StoredTensor, bias: StoredTensor | None = 
 def jittered_linear(linear: Callable, rel: float, seed: int) -> Callable:
     """`linear` with rel * u * max |row| added to each output value, u uniform in [-1, 1] (a seeded stream): the
     reference perturbed by the size of the differences between two correct implementations (fp32 accumulation
-    order: ~1e-7 of a row's largest product). Where the model is continuous in its products (float activations) the logits
-    move by about as much; the Q8-activation mode is not (an input at a rounding boundary lands on either
-    integer, a step of 1/127 of its run's largest value), and how far it moves bounds what another correct
+    order: ~1e-7 of a row's largest product). Where the model is continuous in its products (float activations)
+    the logits move by about as much; the Q8-activation mode is not (an input at a rounding boundary lands on
+    either integer, a step of 1/127 of its run's largest value), and how far it moves bounds what another correct
     implementation of the mode may differ by (`tools/gpu_check_model.py`)."""
     gen = torch.Generator().manual_seed(seed)
 
