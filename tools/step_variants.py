@@ -30,6 +30,8 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   select:ranked:ROWS:CHUNK   the ranked selection with these knobs (`select.select_blocks_ranked`)
   attend:SPLIT:BW            QSA attention with SPLIT keys per program in steps of BW (`attention.attend`)
   hc:I                       the HC read's knobs set to `hyper.hc_read_configs(...)[I]` (but its `finish_in_down`)
+  hc-up:BH                   the HC read's up kernel with BH output features per program (default 2 at the real
+                             geometry; from 32 a program writes whole Q8 runs in the q8 mode, no tickets)
   release-plain:M            row-register launches without expert ids let the next kernel in after their K loop
                              (0), right after their PDL wait (1) or first (2) (`gemv_rr.RELEASE["plain"]`)
   release-settled:M          the same for launches by settled expert ids (the routed down projections)
@@ -74,6 +76,7 @@ import time
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -262,6 +265,15 @@ def _apply_one(variant: str) -> dict:
                                            torch.cuda.get_device_properties(0).multi_processor_count)[int(args[0])])
         knobs.pop("finish_in_down", None)
         hyper.hc_read_defaults = lambda *a: dict(knobs)
+    elif name == "hc-up" and len(args) == 1:
+        bh = int(args[0])
+
+        def defaults(S: int, H: int, R: int, sms: int) -> dict:
+            d = dict(BASE["hc_read_defaults"](S, H, R, sms), block_h=bh)
+            rp, sp = triton.next_power_of_2(R), triton.next_power_of_2(S)
+            d["block_r"] = min(rp, max(16, 1 << (16384 // (sp * bh)).bit_length() - 1))  # as the defaults size it
+            return d
+        hyper.hc_read_defaults = defaults
     elif name == "shape" and len(args) == 5:
         shape = tuple(int(v) for v in args[4].split(","))
         gemv_rr.launch_shape = _shape_override(args[0], int(args[1]), int(args[2]), int(args[3]), shape)
