@@ -102,24 +102,26 @@ def test_k_split(kind: str, k: int, rr_calls) -> None:  # noqa: F811
 
 
 def test_preloaded_steps_change_no_bit(rr_calls, monkeypatch) -> None:  # noqa: F811
-    """The Q8-activation K loop with 1 or all 6 of its steps loaded before the PDL wait (`gemv_rr.PRELOAD`, whose
-    default preloads all six for six-step Q8_0_R launches: the out projections): the same sums in the same order."""
+    """The Q8-activation K loop with 1, 2 or all 6 of its steps loaded before the PDL wait (`gemv_rr.PRELOAD`, whose
+    "q8:" entries apply to these launches first: two steps for six-step Q8_0_R launches, the out projections, where
+    float x takes six): the same sums in the same order."""
     from strata.kernels import gemv_rr
 
     kind, k = "Q8_0_R", 6 * 256
-    assert gemv_rr.preload_steps(kind, 6) == 6 and gemv_rr.preload_steps(kind, 5) == 1
+    assert gemv_rr.preload_steps(kind, 6, q8x=True) == 2 and gemv_rr.preload_steps(kind, 6) == 6
+    assert gemv_rr.preload_steps(kind, 5, q8x=True) == gemv_rr.preload_steps(kind, 5) == 1
     w, ref = ggml_rows(kind, 9, k, np.random.default_rng(zlib_seed(kind) + 13))
     xq = Q.quantize(activations(1, k, 13), kind)
     steps, preload_steps = [], gemv_rr.preload_steps
-    monkeypatch.setattr(gemv_rr, "preload_steps", lambda kd, n: steps.append(preload_steps(kd, n)) or steps[-1])
-    outs = []
+    monkeypatch.setattr(gemv_rr, "preload_steps", lambda *a: steps.append(preload_steps(*a)) or steps[-1])
+    outs = [Q.gemv(xq, w, kind, k, split_k=1)]
     for pre in (1, 6):
-        monkeypatch.setitem(gemv_rr.PRELOAD, f"{kind}/6", pre)
+        monkeypatch.setitem(gemv_rr.PRELOAD, f"q8:{kind}/6", pre)
         outs.append(Q.gemv(xq, w, kind, k, split_k=1))
-    assert steps == [1, 6]  # the launches took the preloads asked for
+    assert steps == [2, 1, 6]  # the launches took the preloads asked for
     check(outs[1], *_want(activations(1, k, 13), ref))
-    assert torch.equal(outs[0], outs[1])
-    assert rr_calls == [kind] * 2
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert rr_calls == [kind] * 3
 
 
 @pytest.mark.parametrize("kind", KINDS)

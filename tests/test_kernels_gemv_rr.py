@@ -269,3 +269,5 @@ def test_preloaded_k_loop_steps_change_no_bit(kind: str, rr_calls, monkeypatch) 
     assert _rr.preload_steps(kind, 5) == 5 and _rr.preload_steps(kind, 8) == _rr.MAX_PRELOAD == 6
     monkeypatch.setitem(_rr.PRELOAD, f"{kind}/5", 2)  # launches of five loop steps only
     assert _rr.preload_steps(kind, 5) == 2 and _rr.preload_steps(kind, 8) == 6
+    monkeypatch.setitem(_rr.PRELOAD, f"q8:{kind}", 3)  # launches with Q8 activations: their entries first
+    assert _rr.preload_steps(kind, 5, q8x=True) == 3 and _rr.preload_steps(kind, 5) == 2

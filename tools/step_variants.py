@@ -22,7 +22,8 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   gdn:BV                     the GDN step with BV value columns per program (`gdn.gdn_step`'s block_v)
   preload:KIND:N             row-register launches of KIND load N K-loop steps before their PDL wait
                              (`gemv_rr.PRELOAD`; the routed GLU, by unsettled ids, loads them right after it);
-                             KIND/S for the launches of S loop steps only (Q8_0_R/6: the out projections)
+                             KIND/S for the launches of S loop steps only (Q8_0_R/6: the out projections);
+                             q8:KIND[/S] for launches with Q8 activations (taken before the plain entries there)
   gemv-type:NAME:R,W,S       the generic GEMV's small one-token launches of type NAME with R rows and W warps per
                              program, K split S (`gemv.GemvType.small`, `small_split`; R = 0: no small shape)
   ids-early:off              the routed down projections read the expert ids after their PDL wait
@@ -209,8 +210,8 @@ def _apply_one(variant: str) -> dict:
         t = dataclasses.replace(kernel_gemv.GEMV_TYPE_NAMES[args[0]], small=(rows, warps) if rows else None,
                                 small_split=(split, 1))
         kernel_gemv.GEMV_TYPE_NAMES[t.name] = kernel_gemv.GEMV_TYPES[t.type_id] = t
-    elif name == "preload" and len(args) == 2:
-        gemv_rr.PRELOAD[args[0]] = int(args[1])
+    elif name == "preload" and len(args) in (2, 3):  # preload:KIND:N or preload:q8:KIND:N
+        gemv_rr.PRELOAD[":".join(args[:-1])] = int(args[-1])
     elif name == "gdn" and len(args) == 1:
         gdn.gdn_step = functools.partial(BASE["gdn_step"], block_v=int(args[0]))
     elif name == "release" and args == ["after-loop"]:

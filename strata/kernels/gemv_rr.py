@@ -737,7 +737,7 @@ read them before their wait). Measured in the 4K step on an H200 (`tools/step_va
   with itself, a launch that lets the next one in early is slower (Q4_K_R 10240 x 2560 11.3 us without PDL, 15.8
   with FIRST): its successor's programs hold SM slots; in the step the successors are other, smaller launches."""
 
-PRELOAD = {"Q5_1_R": 5, "Q8_0_R/6": 6}
+PRELOAD = {"Q5_1_R": 5, "Q8_0_R/6": 6, "q8:Q8_0_R/6": 2}
 """Loop steps of a launch's K loop whose words are loaded before its PDL wait, by type, or by type and loop steps
 as "Q8_0_R/6" (`preload_steps`; at most `MAX_PRELOAD`; the other types load one): more of the weights in flight
 while the kernel before runs, for more registers. In the 4K step on an H200
@@ -746,7 +746,12 @@ all five, 4.598-4.609 -> 4.568 ms per replay (their share of a layer's path 9.4 
 Q8_0_R launch (the same code, measured on 53861cb), the projection groups among them, made the step slower
 (4.67-4.72 ms: their early programs slow the HC read before them); all six for the launches of six steps only (the
 GDN and QSA out projections, K split in 4) made it faster: 4.299-4.306 -> 4.236-4.241 ms on an H200
-(bench/results/2026-12-05-h200-step-variants-7423ce2.json), 4.686-4.694 -> 4.641 on an H100."""
+(bench/results/2026-12-05-h200-step-variants-7423ce2.json), 4.686-4.694 -> 4.641 on an H100.
+
+Entries "q8:KIND" and "q8:KIND/STEPS" apply to launches with Q8 activations (`--activations q8`) and come first
+there, where a deep preload measured slower. The q8 mode's out projections with two steps: 4.622-4.624 ms per replay against 4.640-4.643 with one and 4.678-4.680 with six on an
+H100 80GB (bench/results/2026-12-05-h100-step-variants-q8-preload-5f861f0.json, three runs in one session); on an
+H200 six against one was 4.111-4.113 against 4.104-4.105 (*-h200-step-variants-preload-de27516.json)."""
 
 
 WIDEN_X_ASM = True
@@ -759,10 +764,15 @@ sm_90 (`tools/gemv_sass.py --x-widen`), the K loops' instructions per weight fal
 GEMVs give the same outputs both ways there (`tools/gpu_check_gemv.py`: bf16_widen_differing 0)."""
 
 
-def preload_steps(kind: str, steps: int) -> int:
+def preload_steps(kind: str, steps: int, q8x: bool = False) -> int:
     """The K-loop steps of a `kind` launch of `steps` steps loaded before its PDL wait (`PRELOAD`: the entry
-    "KIND/STEPS" for launches of that many steps, else "KIND"; at most `MAX_PRELOAD`)."""
-    return max(1, min(PRELOAD.get(f"{kind}/{steps}", PRELOAD.get(kind, 1)), steps, MAX_PRELOAD))
+    "KIND/STEPS" for launches of that many steps, else "KIND", each first with the prefix "q8:" for launches with
+    Q8 activations; one where none applies; at most `MAX_PRELOAD`)."""
+    keys = (f"{kind}/{steps}", kind)
+    if q8x:
+        keys = tuple(f"q8:{k}" for k in keys) + keys
+    pre = next((PRELOAD[k] for k in keys if k in PRELOAD), 1)
+    return max(1, min(pre, steps, MAX_PRELOAD))
 
 
 MAX_PRELOAD = 6
@@ -815,7 +825,7 @@ def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None
         GLU=glu, HAS_IDS=ids is not None, ASM=x.device.type == "cuda", SPLIT_SUM=split_sum, SPLIT=split,
         SLOT_SUM=slots if slot_weights is not None else 0, IDS_EARLY=ids_early and ids is not None,
         RELEASE=RELEASE["plain" if ids is None else "settled-ids" if ids_early else "ids"],
-        PRE=preload_steps(kind, k // CHUNK[kind][0] // (split * sbc)), XW=WIDEN_X_ASM, XQ=q8x,
+        PRE=preload_steps(kind, k // CHUNK[kind][0] // (split * sbc), q8x), XW=WIDEN_X_ASM, XQ=q8x,
         QOUT=q_out[1] if q_out is not None else 0, num_warps=warps, **gdc)
 
 
