@@ -21,10 +21,11 @@ echo "== model check in the q8 mode (GPU against the CPU reference)"
 python tools/gpu_check_model.py --activations q8 ${fixtures:+--fixtures "$fixtures"} \
     --out "$out/model-check-q8-$commit.json" 2>&1 | quiet | tail -12
 echo "(exit ${PIPESTATUS[0]})"
-echo "== the 4K step: float against q8 (the out projections' preload of 1, 3, 6 steps, the routed GLU's of 2), back to back"
+echo "== the 4K step: float against q8 (the out projections' preload of 1, 3, 6 steps, the routed GLU's of 2 and 5), back to back"
 python tools/step_variants.py --commit "$commit" --out "$out/step-variants-q8-$commit.json" \
     base activations:q8 activations:q8+preload:q8:Q8_0_R/6:1 activations:q8+preload:q8:Q8_0_R/6:6 base \
     activations:q8 activations:q8+preload:q8:Q8_0_R/6:3 activations:q8+preload:q8:Q4_K_R:2 \
+    activations:q8+preload:q8:Q4_K_R:5 activations:q8+preload:q8:Q4_K_R:5+shape:Q4_K_R:10:0:1000000:4,2,1,1 \
     activations:q8+q8-units:off 2>&1 | quiet
 echo "(exit ${PIPESTATUS[0]})"
 echo "== decode bench in the q8 mode (synthetic real geometry)"
