@@ -749,9 +749,10 @@ GDN and QSA out projections, K split in 4) made it faster: 4.299-4.306 -> 4.236-
 (bench/results/2026-12-05-h200-step-variants-7423ce2.json), 4.686-4.694 -> 4.641 on an H100.
 
 Entries "q8:KIND" and "q8:KIND/STEPS" apply to launches with Q8 activations (`--activations q8`) and come first
-there, where a deep preload measured slower. The q8 mode's out projections with two steps: 4.622-4.624 ms per replay against 4.640-4.643 with one and 4.678-4.680 with six on an
-H100 80GB (bench/results/2026-12-05-h100-step-variants-q8-preload-5f861f0.json, three runs in one session); on an
-H200 six against one was 4.111-4.113 against 4.104-4.105 (*-h200-step-variants-preload-de27516.json)."""
+there, where a deep preload measured slower. The q8 mode's out projections with two steps: 4.622-4.624 ms per
+replay against 4.640-4.643 with one and 4.678-4.680 with six on an H100 80GB
+(bench/results/2026-12-05-h100-step-variants-q8-preload-5f861f0.json, three processes on one machine); on an H200
+six against one was 4.111-4.113 against 4.104-4.105 (*-h200-step-variants-preload-de27516.json)."""
 
 
 WIDEN_X_ASM = True

@@ -1,0 +1,64 @@
+"""tools/step_variants.py's variant parsing (the timing itself runs on the device box): each documented form sets
+the knob it names, and `apply("base")` puts every knob back, so the rows of one run do not leak into each other."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from strata.kernels import attention, experts_gemm, gdn, gemv_q8x, gemv_rr, hyper, pdl
+from strata.kernels import ops as kernel_ops
+from strata.runtime import graph
+
+_PATH = Path(__file__).resolve().parent.parent / "tools" / "step_variants.py"
+_spec = importlib.util.spec_from_file_location("_strata_step_variants", _PATH)
+sv = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sv)
+
+# every form of the module's docstring that needs no CUDA device to parse (hc:I reads the SM count)
+VARIANTS = ["base", "select:removed", "select:radix", "route:removed", "release:after-loop", "gdn:16",
+            "preload:Q4_K_R:3", "preload:Q8_0_R/6:2", "preload:q8:Q8_0_R/6:3", "preload:q8:Q4_K_R:5",
+            "gemv-type:Q8_0:4,2,1", "ids-early:off", "select:ranked:8:1024", "attend:64:32", "hc-up:8",
+            "release-plain:0", "release-settled:1", "release-rows:2560:1", "late:hc_up:1", "streams:off",
+            "shared:removed", "argmax:torch", "norm-ropes:split", "activations:q8", "q8-units:off",
+            "quantize:removed", "x-widen:0", "experts-gemm:0", "experts-gemm-shape:32,8", "prefill-chunk:1024",
+            "shape:Q4_K_R:10:0:1000000:4,2,1,1", "activations:q8+preload:q8:Q4_K_R:5+shape:Q4_K_R:10:0:1000000:4,2,1,1"]
+
+
+def _knobs() -> tuple:
+    return (dict(gemv_rr.PRELOAD), dict(gemv_rr.RELEASE), dict(pdl.LATE_RELEASE), gemv_rr.WIDEN_X_ASM,
+            gemv_rr.launch_shape, gemv_rr.launch, hyper.hc_read_defaults, dict(sv.PREFILL), gdn.gdn_step,
+            attention.select_blocks_ranked, attention.RANK_SELECT_MAX_BLOCKS, attention.attend, gemv_q8x.quantize,
+            kernel_ops.SETTLED_IDS, kernel_ops.GEMM_MIN_TOKENS, kernel_ops.Q8_UNITS_FROM_GLU, graph.greedy_token,
+            (experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_parses_and_base_restores_every_knob(variant: str) -> None:
+    before = _knobs()
+    swaps = sv.apply(variant)
+    assert isinstance(swaps, dict)
+    sv.apply("base")
+    assert _knobs() == before
+
+
+def test_preload_variants_set_the_entry_they_name() -> None:
+    try:
+        sv.apply("preload:q8:Q8_0_R/6:3+preload:Q5_1_R:1")
+        assert gemv_rr.PRELOAD["q8:Q8_0_R/6"] == 3 and gemv_rr.PRELOAD["Q5_1_R"] == 1
+        assert gemv_rr.preload_steps("Q8_0_R", 6, q8x=True) == 3
+        assert gemv_rr.preload_steps("Q8_0_R", 6) == sv.BASE["PRELOAD"]["Q8_0_R/6"]
+        sv.apply("shape:Q4_K_R:10:0:1000000:4,2,1,1")
+        assert gemv_rr.launch_shape("Q4_K_R", 10, 80) == (4, 2, 1, 1)
+        assert gemv_rr.launch_shape("Q4_K_R", 5, 80) == sv.BASE["launch_shape"]("Q4_K_R", 5, 80)
+    finally:
+        sv.apply("base")
+
+
+@pytest.mark.parametrize("variant", ["nonsense", "preload:Q4_K_R", "gdn", "late:no_such_kernel:1"])
+def test_unknown_variant_is_refused(variant: str) -> None:
+    with pytest.raises(SystemExit, match="unknown variant"):
+        sv.apply(variant)
+    sv.apply("base")
