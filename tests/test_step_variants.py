@@ -4,13 +4,16 @@ the knob it names, and `apply("base")` puts every knob back, so the rows of one 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
-import pytest
+os.environ["TRITON_INTERPRET"] = "1"  # as the kernel tests: no kernel runs here, but Triton may be imported first
 
-from strata.kernels import attention, experts_gemm, gdn, gemv_q8x, gemv_rr, hyper, pdl
-from strata.kernels import ops as kernel_ops
-from strata.runtime import graph
+import pytest  # noqa: E402
+
+from strata.kernels import attention, experts_gemm, gdn, gemv_q8x, gemv_rr, hyper, pdl  # noqa: E402
+from strata.kernels import ops as kernel_ops  # noqa: E402
+from strata.runtime import graph  # noqa: E402
 
 _PATH = Path(__file__).resolve().parent.parent / "tools" / "step_variants.py"
 _spec = importlib.util.spec_from_file_location("_strata_step_variants", _PATH)
