@@ -177,6 +177,11 @@ def test_defaults_at_the_real_geometry():
         assert d[k] & (d[k] - 1) == 0
     down_programs = (-(-R // d["block_rows"]) + -(-S // d["block_rows"])) * S * -(-H // d["block_k"])
     assert down_programs >= 2 * sms and -(-H // d["block_h"]) >= 2 * sms
+    for bh in (8, 32):  # a fixed up-program width: the column tile shrinks so the tile stays <= 16K elements
+        f = hyper.hc_read_defaults(S, H, R, sms, block_h=bh)
+        assert f["block_h"] == bh and 4 * bh * f["block_r"] <= 16384 < 4 * bh * 2 * f["block_r"]
+        assert {k: v for k, v in f.items() if k not in ("block_h", "block_r")} == \
+            {k: v for k, v in d.items() if k not in ("block_h", "block_r")}
 
 
 @pytest.mark.parametrize("block_h", [4, 32, 64])  # 8 programs per run (tickets), one, two runs per program

@@ -77,7 +77,6 @@ import time
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -267,14 +266,7 @@ def _apply_one(variant: str) -> dict:
         knobs.pop("finish_in_down", None)
         hyper.hc_read_defaults = lambda *a: dict(knobs)
     elif name == "hc-up" and len(args) == 1:
-        bh = int(args[0])
-
-        def defaults(S: int, H: int, R: int, sms: int) -> dict:
-            d = dict(BASE["hc_read_defaults"](S, H, R, sms), block_h=bh)
-            rp, sp = triton.next_power_of_2(R), triton.next_power_of_2(S)
-            d["block_r"] = min(rp, max(16, 1 << (16384 // (sp * bh)).bit_length() - 1))  # as the defaults size it
-            return d
-        hyper.hc_read_defaults = defaults
+        hyper.hc_read_defaults = functools.partial(BASE["hc_read_defaults"], block_h=int(args[0]))
     elif name == "shape" and len(args) == 5:
         shape = tuple(int(v) for v in args[4].split(","))
         gemv_rr.launch_shape = _shape_override(args[0], int(args[1]), int(args[2]), int(args[3]), shape)

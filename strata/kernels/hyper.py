@@ -222,8 +222,9 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-def hc_read_defaults(streams: int, hidden: int, rank: int, sms: int) -> dict:
-    """The knob values `hc_read` uses when none are given (see `hc_read` for their meaning), and why.
+def hc_read_defaults(streams: int, hidden: int, rank: int, sms: int, block_h: int | None = None) -> dict:
+    """The knob values `hc_read` uses when none are given (see `hc_read` for their meaning), and why; `block_h`
+    fixes the up kernel's features per program and sizes its column tile for it.
 
     Down: 8 rows per program, then the widest K chunk (<= 1024) that still gives about three programs per SM, so
     every SM has ~50 KB of weights in flight from the start. The last program of each row block sums the block's
@@ -242,7 +243,7 @@ def hc_read_defaults(streams: int, hidden: int, rank: int, sms: int) -> dict:
     bk = min(1024, triton.next_power_of_2(H))
     while bk > 64 and nrb * S * triton.cdiv(H, bk) < 3 * sms:
         bk //= 2
-    bh = max(1, min(64, _pow2_floor(H // max(1, 8 * sms))))
+    bh = block_h or max(1, min(64, _pow2_floor(H // max(1, 8 * sms))))
     rc = min(triton.next_power_of_2(R), max(16, _pow2_floor(16384 // (triton.next_power_of_2(S) * bh))))
     return {"block_rows": br, "block_k": bk, "block_h": bh, "block_r": rc, "warps_down": 4, "warps_up": 4}
 

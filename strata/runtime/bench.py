@@ -30,7 +30,8 @@ from strata.weights.schema import Weights
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, repeats: int = 10) -> float:
-    """Bytes read + written per second of a large device-to-device copy."""
+    """Bytes read + written per second of a large device-to-device copy. Its buffers go back to the device before
+    it returns (out of the caching allocator too), so a model built next has the whole card."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     for _ in range(3):
@@ -44,6 +45,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, repeats: int = 1
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
     del src, dst
+    torch.cuda.empty_cache()
     return 2 * nbytes / statistics.median(times)
 
 
