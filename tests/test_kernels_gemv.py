@@ -387,9 +387,26 @@ def test_stored_rows_into_equals_stored_rows(kind: str, monkeypatch) -> None:
         monkeypatch.setattr(t, "stored_rows", lambda index: pytest.fail("took the tensor path"))
     table.stored_rows_into(rows, out)
     assert torch.equal(out, want)
+    raw = np.full((len(rows), want[0].numel() * want.element_size()), 7, dtype=np.uint8)  # the step's byte view
+    table.stored_rows_into(rows, raw)
+    assert raw.tobytes() == want.contiguous().view(torch.uint8).numpy().tobytes()
     for bad in ([40], [-1]):
         with pytest.raises(ValueError, match="out of range"):
             table.stored_rows_into(bad, out[:1])
+
+
+def test_stored_rows_into_bytes_through_the_tensor_path(monkeypatch) -> None:
+    """A table with no host array (device-resident, or shards of several types) still fills a byte buffer with
+    `stored_rows`' bytes, and a buffer of the wrong size is refused, not half written."""
+    table = QuantTensor("t", random_blocks("IQ4_NL", 40, 64, np.random.default_rng(3)), 20, (40, 64))
+    monkeypatch.setattr(table, "host_rows", lambda: None)
+    rows = [5, 0, 39]
+    want = table.stored_rows(torch.tensor(rows)).numpy().tobytes()
+    raw = np.zeros((3, len(want) // 3), dtype=np.uint8)
+    table.stored_rows_into(rows, raw)
+    assert raw.tobytes() == want
+    with pytest.raises(ValueError, match="do not fit"):
+        table.stored_rows_into(rows, np.zeros((3, len(want) // 3 - 1), dtype=np.uint8))
 
 
 def test_triton_ops_replaces_only_its_entries() -> None:

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from strata.model import ple
 from strata.runtime.synthetic import real_config
 
 
-def test_scalar_hash_equals_tensor_hash() -> None:
-    cfg = real_config()  # the real multipliers: products overflow int64, as the reference's do
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_scalar_hash_equals_tensor_hash(n: int) -> None:
+    # the real multipliers (products overflow int64, as the reference's do); 24 heads at n = 4 need another width
+    cfg = real_config(ngram_size=n, **({"ple_embed_dim": 2400} if n == 4 else {}))
     geo = next(iter(cfg.ple.values()))
-    eos, n = cfg.ple_eos, cfg.ngram_size
+    eos = cfg.ple_eos
     rng = random.Random(0)
     for _ in range(500):
         hist = [rng.choice([eos, rng.randrange(cfg.vocab_size)]) for _ in range(n)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from strata.model.gdn import gdn_layer
@@ -70,9 +71,10 @@ class Model:
             ple = {i: e.to(self.device) for i, e in ple.items()}
         return StepInputs(ids, positions, state.length, ple)
 
-    def stage_token(self, token: int, state: SequenceState, ple_out: dict[int, torch.Tensor]) -> int:
+    def stage_token(self, token: int, state: SequenceState, ple_out: dict[int, torch.Tensor | np.ndarray]) -> int:
         """`stage` of one id for a caller with its own host buffers: each PLE layer's stored rows written into
-        `ple_out[layer]` (ngram_heads, row width). Advances the state like `stage`; returns the id's position."""
+        `ple_out[layer]` (ngram_heads, row width; or the uint8 numpy array of its bytes). Advances the state like
+        `stage`; returns the id's position."""
         for i, s in state.ple.items():
             ple_rows_into(token, self.w, i, self.cfg, s, ple_out[i])
         state.length += 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -44,20 +45,26 @@ def _i64(v: int) -> int:
 
 
 def ngram_rows_one(token: int, context: list[int], geo: PLEGeometry, cfg: ModelConfig) -> list[int]:
-    """`ngram_rows` of one id in plain integer arithmetic (the decode step's host work: a few dozen Python
-    operations instead of a few dozen small tensor ops)."""
+    """`ngram_rows` of one id in plain integer arithmetic: a decode step's host work, on the path of every token
+    (the step waits for it after its first layer), so each product is formed once, wrapped once, and the orders'
+    hashes build on each other (h_m = h_(m-1) ^ p_(m-1))."""
     n, hpn, eos = cfg.ngram_size, cfg.heads_per_ngram, cfg.ple_eos
-    hist = [*context[len(context) - (n - 1):], token]
-    p = n - 1
-    last_eos = max((i for i in range(p) if hist[i] == eos), default=-1)
-    shifted = [hist[p - k] if p - k > last_eos else eos for k in range(n)]
+    hist = [*context[len(context) - (n - 1):], token]  # hist[n - 1 - k]: the id k back
     rows: list[int] = []
-    for m in range(2, n + 1):
-        h = _i64(shifted[0] * geo.multipliers[0])
-        for j in range(1, m):
-            h ^= _i64(shifted[j] * geo.multipliers[j])
-        sl = slice((m - 2) * hpn, (m - 1) * hpn)
-        rows.extend([h % prime + off for prime, off in zip(geo.primes[sl], geo.offsets[sl], strict=True)])
+    h = 0
+    live = True  # no EOS between the id k back and the current one (exclusive)
+    mask, sign = (1 << 64) - 1, 1 << 63
+    for k in range(n):
+        v = hist[n - 1 - k] if live else eos
+        if k > 0 and hist[n - 1 - k] == eos:
+            live = False  # ids further back are replaced by EOS (this one is EOS itself)
+        p = (v * geo.multipliers[k]) & mask
+        h ^= p - (1 << 64) if p & sign else p
+        if k == 0:
+            continue
+        lo = (k - 1) * hpn
+        for prime, off in zip(geo.primes[lo:lo + hpn], geo.offsets[lo:lo + hpn], strict=True):
+            rows.append(h % prime + off)
     return rows
 
 
@@ -89,13 +96,15 @@ def ple_rows(ids: torch.Tensor, w: Weights, layer: int, cfg: ModelConfig, state:
     return w[f"L{layer}.ple.table"].stored_rows(rows)
 
 
-def ple_rows_into(token: int, w: Weights, layer: int, cfg: ModelConfig, state: PLEState, out: torch.Tensor,
-                  ) -> None:
-    """`ple_rows` of one id written into the host buffer `out` (ngram_heads, stored row width): a decode step's
-    host work in plain integers and one numpy gather, with no tensor op but the new context's."""
-    context = state.context.tolist()
-    rows = ngram_rows_one(token, context, cfg.ple[layer], cfg)
-    state.context = torch.tensor([*context, token][-(cfg.ngram_size - 1):], dtype=torch.int64)
+def ple_rows_into(token: int, w: Weights, layer: int, cfg: ModelConfig, state: PLEState,
+                  out: torch.Tensor | np.ndarray) -> None:
+    """`ple_rows` of one id written into the host buffer `out` (ngram_heads, stored row width; or the uint8 numpy
+    array of its bytes, `StoredTensor.stored_rows_into`): a decode step's host work in plain integers and one
+    numpy gather, with no tensor op."""
+    ctx = state.context.numpy()  # the context's memory: advanced in place, without building a tensor
+    rows = ngram_rows_one(token, ctx.tolist(), cfg.ple[layer], cfg)
+    ctx[:-1] = ctx[1:]  # numpy copies overlapping ranges as if through a temporary
+    ctx[-1] = token
     w[f"L{layer}.ple.table"].stored_rows_into(rows, out)
 
 

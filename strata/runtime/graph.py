@@ -105,7 +105,9 @@ class DecodeStep:
 
         self.inputs = StepInputs(ids=self._packed[0:8].view(torch.int64), positions=self._packed[8:16].view(torch.int64),
                                  n_keys=capacity, ple={i: view(self._packed, i) for i in cfg.ple})
-        self._host_ple = {i: view(self._host, i)[0] for i in cfg.ple}  # (ngram_heads, row width) each
+        # each PLE layer's rows as the uint8 numpy array of their bytes (ngram_heads, row bytes): the host gathers
+        # a token's rows straight into them
+        self._host_ple = {i: view(self._host, i)[0].view(torch.uint8).numpy() for i in cfg.ple}
         self.capture = dev.type == "cuda" if capture is None else capture
         if self.capture and dev.type != "cuda":
             raise StrataError("graph capture needs a CUDA device")

@@ -59,17 +59,18 @@ class StoredTensor(ABC):
         from without building index tensors."""
         return None
 
-    def stored_rows_into(self, rows: Sequence[int], out: torch.Tensor) -> None:
-        """`stored_rows(rows)` written into `out`, a host tensor of shape (len(rows), row width): a decode step's
-        gather of a token's table rows (a dozen ints) into its page-locked input buffer. Host rows are gathered
-        with numpy (no tensor built, ~1 us); anything else goes through `stored_rows`."""
+    def stored_rows_into(self, rows: Sequence[int], out: torch.Tensor | np.ndarray) -> None:
+        """`stored_rows(rows)` written into `out`, a host tensor of shape (len(rows), row width), or the uint8 numpy
+        array of its bytes (len(rows), row bytes), which a caller that fills the same buffer every token keeps: a
+        decode step's gather of a token's table rows (a dozen ints) into its page-locked input buffer. Host rows
+        are gathered with numpy (no tensor built, ~1 us); anything else goes through `stored_rows`."""
         n = self.shape[0]
         if rows and (min(rows) < 0 or max(rows) >= n):
             raise WeightError(f"{self.name}: row index out of range [0, {n})")
         host = self.host_rows()
         dst = _byte_rows(out, len(rows), host)
         if dst is None:
-            out.copy_(self.stored_rows(torch.tensor(list(rows), dtype=torch.int64)).reshape(out.shape))
+            _copy_rows(out, self.stored_rows(torch.tensor(list(rows), dtype=torch.int64)))
             return
         np.take(host[0], rows, axis=0, out=dst)
 
@@ -229,11 +230,11 @@ class RowConcatTensor(StoredTensor):
             out = fetch(self.parts[0], flat).cpu()
         return out.reshape(*index.shape, out.shape[-1])
 
-    def stored_rows_into(self, rows: Sequence[int], out: torch.Tensor) -> None:
+    def stored_rows_into(self, rows: Sequence[int], out: torch.Tensor | np.ndarray) -> None:
         hosts = [p.host_rows() for p in self.parts]
         dst = None if self.kind == "mixed" or any(h is None for h in hosts) else _byte_rows(out, len(rows), hosts[0])
         if dst is None:
-            out.copy_(self.stored_rows(torch.tensor(list(rows), dtype=torch.int64)).reshape(out.shape))
+            _copy_rows(out, self.stored_rows(torch.tensor(list(rows), dtype=torch.int64)))
             return
         if rows and (min(rows) < 0 or max(rows) >= self.shape[0]):
             raise WeightError(f"{self.name}: row index out of range [0, {self.shape[0]})")
@@ -265,9 +266,25 @@ class RowConcatTensor(StoredTensor):
         return RowConcatTensor(self.name, [p.to(device) for p in self.parts])
 
 
-def _byte_rows(out: torch.Tensor, n: int, host: tuple[np.ndarray, torch.dtype] | None) -> np.ndarray | None:
-    """`out` (a host tensor for n stored rows) as the (n, row bytes) uint8 numpy array `np.take` writes into, when
-    it holds rows of the host array's dtype and width; else None (the caller takes the tensor path)."""
+def _copy_rows(out: torch.Tensor | np.ndarray, stored: torch.Tensor) -> None:
+    """Stored rows (`stored_rows`) copied into `out`: a tensor of their shape, or the numpy array of its bytes."""
+    if isinstance(out, np.ndarray):
+        src = stored.cpu().contiguous().view(torch.uint8)
+        if src.numel() != out.size or out.dtype != np.uint8:
+            raise WeightError(f"rows of {src.numel()} bytes do not fit a buffer of {out.size} x {out.dtype}")
+        torch.from_numpy(out).copy_(src.reshape(out.shape))
+    else:
+        out.copy_(stored.reshape(out.shape))
+
+
+def _byte_rows(out: torch.Tensor | np.ndarray, n: int, host: tuple[np.ndarray, torch.dtype] | None,
+               ) -> np.ndarray | None:
+    """`out` (a host tensor for n stored rows, or already the numpy array of its bytes) as the (n, row bytes) uint8
+    numpy array `np.take` writes into, when it holds rows of the host array's dtype and width; else None (the
+    caller takes the tensor path)."""
+    if isinstance(out, np.ndarray):
+        ok = host is not None and out.dtype == np.uint8 and out.shape == (n, host[0].shape[1])
+        return out if ok else None
     if host is None or out.device.type != "cpu" or out.dtype != host[1] or not out.is_contiguous():
         return None
     if out.numel() * out.element_size() != n * host[0].shape[1]:
