@@ -47,8 +47,14 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.errors import StrataError
 from strata.kernels import gemv_blocks as gb
 from strata.kernels import pdl
+
+try:  # the probe's timer and SM id (`PROBE`); the kernels compile without them where PROBE is off
+    from triton.language.extra.cuda import globaltimer, smid
+except ImportError:  # pragma: no cover - a Triton without them: no probe
+    globaltimer = smid = None
 
 ROW_REGISTER_TYPES = ("Q4_K_R", "Q8_0_R", "Q5_1_R", "Q6_K_R")
 
@@ -549,14 +555,15 @@ def store_q8x_runs(x_ptr, q_ptr, run, ok, SPAN: tl.constexpr, RB: tl.constexpr, 
 
 
 @triton.jit(do_not_specialize=["D_STRIDE"])
-def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr, q_ptr, N, g_row_stride, u_row_stride,
+def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr, q_ptr, probe_ptr, N, g_row_stride,
+               u_row_stride,
                g_slot_stride, u_slot_stride, x_slot_stride, out_slot_stride, q_slot_stride, BASE, X_ROW_STRIDE,
                D_STRIDE, KIND: tl.constexpr, CHUNK_ELEMS: tl.constexpr, CHUNK_BYTES: tl.constexpr,
                NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr, GLU: tl.constexpr,
                HAS_IDS: tl.constexpr, ASM: tl.constexpr, SPLIT_SUM: tl.constexpr, SPLIT: tl.constexpr = 1,
                SLOT_SUM: tl.constexpr = 0, IDS_EARLY: tl.constexpr = False, RELEASE: tl.constexpr = 0,
                PRE: tl.constexpr = 1, XW: tl.constexpr = False, XQ: tl.constexpr = False, QOUT: tl.constexpr = 0,
-               GDC: tl.constexpr = False):
+               PROBE: tl.constexpr = False, GDC: tl.constexpr = False):
     """out[slot, rows] = W[slot's matrix][rows] . x[slot], or with GLU act(G . x) * (U . x), for one token.
 
     Program (i, slot, s): BR rows of the matrix of `slot` (expert ids[slot] when HAS_IDS), or with GLU BR / 2 rows
@@ -580,13 +587,20 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
 
     QOUT (GLU, no split; a word span of `Q8X_ORDER`, 0: none): each slot's output is also stored as Q8 units to
     q (`store_q8x_runs`), each run of 32 outputs by the last of its 32 / (BR / 2) programs to draw a ticket from
-    cnt (one counter per slot and run), for the Q8 GEMV that reads it (the routed down projections)."""
+    cnt (one counter per slot and run), for the Q8 GEMV that reads it (the routed down projections).
+
+    PROBE (GPU only, `Probe`): the program stores its SM and the global timer when it starts, passes its PDL wait
+    (launches by unsettled ids; else 0), ends its K loop and ends, as one row of probe."""
+    if PROBE:
+        t_start = globaltimer()
     if HAS_IDS and not IDS_EARLY:
         pdl.wait(GDC)
         if RELEASE != 0:
             pdl.started(GDC)
     elif RELEASE == 2:
         pdl.started(GDC)
+    if PROBE:
+        t_waited = globaltimer() if HAS_IDS and not IDS_EARLY else t_start * 0
     REL: tl.constexpr = RELEASE == 1 and (IDS_EARLY or not HAS_IDS)  # started by the K loop's helper, at its wait
     XA: tl.constexpr = ASM and XW
     pid = tl.program_id(0)
@@ -623,6 +637,8 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
                            GDC and (IDS_EARLY or not HAS_IDS), PRE, REL, XA, XQ)
     if RELEASE == 0:
         pdl.started(GDC)
+    if PROBE:
+        t_looped = globaltimer()
     last = 1
     optr = out_ptr + slot * out_slot_stride
     if SLOT_SUM > 0:
@@ -651,6 +667,13 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
                 tl.atomic_xchg(qc, 0, sem="relaxed", scope="gpu")  # back to 0 for the next launch
     else:
         _store(optr, res, pid * BR + r, N * last)
+    if PROBE:
+        row = probe_ptr + ((slot * tl.num_programs(0) + pid) * tl.num_programs(2) + part) * 5
+        tl.store(row, smid().to(tl.int64))
+        tl.store(row + 1, t_start)
+        tl.store(row + 2, t_waited)
+        tl.store(row + 3, t_looped)
+        tl.store(row + 4, globaltimer())
 
 
 Q8X_ORDER = {"Q4_K_R": 8, "Q8_0_R": 8, "Q5_1_R": 4, "Q6_K_R": 8}
@@ -776,6 +799,34 @@ def preload_steps(kind: str, steps: int, q8x: bool = False) -> int:
     return max(1, min(pre, steps, MAX_PRELOAD))
 
 
+class Probe:
+    """Where probed launches (`PROBE`) write one row per program: (SM, start, PDL wait passed, K loop ended, end),
+    global-timer nanoseconds. Each launch takes the next region in call order, so the regions of a captured graph
+    stay its launches' (`launches` lists them: label, launch class, first row, grid)."""
+
+    FIELDS = ("sm", "start", "waited", "looped", "end")
+
+    def __init__(self, device: torch.device | str, rows: int = 1 << 20) -> None:
+        if torch.device(device).type != "cuda" or globaltimer is None:
+            raise StrataError("the launch probe needs a CUDA device and a Triton with triton.language.extra.cuda")
+        self.buf = torch.zeros(rows, len(self.FIELDS), dtype=torch.int64, device=device)
+        self.used = 0
+        self.launches: list[tuple[str, str, int, tuple[int, int, int]]] = []
+
+    def region(self, label: str, cls: str, grid: tuple[int, int, int]) -> torch.Tensor:
+        n = grid[0] * grid[1] * grid[2]
+        if self.used + n > self.buf.shape[0]:
+            raise StrataError(f"probe buffer of {self.buf.shape[0]} rows full: give it more rows")
+        self.launches.append((label, cls, self.used, grid))
+        self.used += n
+        return self.buf[self.used - n:self.used]
+
+
+PROBE: dict[str, Probe] = {}
+"""Launch classes ("plain", "ids", "settled-ids", as `RELEASE`) whose launches record their programs (`Probe`):
+`tools/step_probe.py` sets it while it captures a step. Empty: nothing is recorded and the kernels compile as
+without it."""
+
 MAX_PRELOAD = 6
 """The most loop steps a launch can load before its wait (`_k_loop`)."""
 
@@ -817,17 +868,20 @@ def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None
         raise ValueError(f"this launch cannot write Q8 units of its output (GLU {glu}, {n} rows, shape {shape})")
     u = up if glu else w
     grid = (triton.cdiv(n, br // 2 if glu else br), slots, split)
+    cls = "plain" if ids is None else "settled-ids" if ids_early else "ids"
+    probe = PROBE.get(cls)
+    rows = probe.region(f"{kind}{' glu' if glu else ''} {n}x{k}", cls, grid) if probe is not None else None
     _rr_kernel[grid](
         x, w, u, ids if ids is not None else w, out, part, cnt, slot_weights if slot_weights is not None else out,
-        q_out[0] if q_out is not None else out, n, w.stride(-2), u.stride(-2), w_slot_stride,
+        q_out[0] if q_out is not None else out, rows if rows is not None else out, n, w.stride(-2), u.stride(-2),
+        w_slot_stride,
         up_slot_stride if glu else w_slot_stride, x_slot_stride, out_slot_stride,
         q_out[0].stride(0) if q_out is not None else 0, _BASE[kind], 0, 1,
         KIND=kind, CHUNK_ELEMS=CHUNK[kind][0], CHUNK_BYTES=CHUNK[kind][1], NCH=k // CHUNK[kind][0], SBC=sbc, BR=br,
         GLU=glu, HAS_IDS=ids is not None, ASM=x.device.type == "cuda", SPLIT_SUM=split_sum, SPLIT=split,
         SLOT_SUM=slots if slot_weights is not None else 0, IDS_EARLY=ids_early and ids is not None,
-        RELEASE=RELEASE["plain" if ids is None else "settled-ids" if ids_early else "ids"],
-        PRE=preload_steps(kind, k // CHUNK[kind][0] // (split * sbc), q8x), XW=WIDEN_X_ASM, XQ=q8x,
-        QOUT=q_out[1] if q_out is not None else 0, num_warps=warps, **gdc)
+        RELEASE=RELEASE[cls], PRE=preload_steps(kind, k // CHUNK[kind][0] // (split * sbc), q8x), XW=WIDEN_X_ASM,
+        XQ=q8x, QOUT=q_out[1] if q_out is not None else 0, PROBE=rows is not None, num_warps=warps, **gdc)
 
 
 def writes_q8x_out(glu: bool, n: int, slots: int, shape: tuple[int, int, int, int], summed: bool,
