@@ -106,3 +106,32 @@ def test_context_flag_reaches_the_engine(engine, tmp_path, capsys):
     assert E(engine.weights, graphs=True, context=10**9).max_context == engine.cfg.max_position_embeddings
     assert main(["logits", "--ids", "1,2,3", "--context", "0", "--out", str(tmp_path / "x.npy")]) == 2
     assert "positive number of positions" in capsys.readouterr().err
+
+
+def test_next_token_id_records_no_event(engine, monkeypatch):
+    """`next_token_id` reads the chosen id on the host, which waits for the whole step, so its replays record no
+    event for the next token's staging; `next_token` (a device tensor the caller may not read) still does. The
+    replays are stand-ins here (graph replay needs CUDA): what is checked is the host's bookkeeping around them."""
+    step = DecodeStep(engine.model, capacity=16, capture=False)
+    ids = torch.randint(2, engine.cfg.vocab_size, (6,), generator=torch.Generator().manual_seed(2))
+    want = [int(step.next_token(int(t))) for t in ids]  # eager, on the CPU
+    step = DecodeStep(engine.model, capacity=16, capture=False)
+    got = [step.next_token_id(int(t)) for t in ids]
+    assert got == want
+
+    class Replay:
+        def __init__(self):
+            self.calls = 0
+
+        def replay(self):
+            self.calls += 1
+
+    reads = []
+    monkeypatch.setattr(step, "_host_read", lambda: reads.append(1))
+    front, rest = Replay(), Replay()
+    step.capture, step.graphs["logits"], step.outs["logits"] = True, (front, rest), (None, torch.tensor(7))
+    step._copied = "pending"  # an event from an earlier token; `_ready` would wait on it
+    monkeypatch.setattr(step, "_ready", lambda: None)
+    assert step.next_token_id(3) == 7 and reads == [] and step._copied is None
+    assert int(step.next_token(3)) == 7 and reads == [1]
+    assert front.calls == rest.calls == 2

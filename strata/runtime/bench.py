@@ -176,7 +176,7 @@ def _ready_step(model: Model, context: int, tokens: int, runs: int, seed: int, s
     step.step(tok)  # captures
     capture_s = time.perf_counter() - t0
     for _ in range(tokens // 4):
-        tok = int(step.next_token(tok))
+        tok = step.next_token_id(tok)
     return step, tok, capture_s
 
 
@@ -202,7 +202,7 @@ def bench_decode(model: Model, context: int, tokens: int = 64, runs: int = 3, se
         w0 = time.perf_counter()
         a.record()
         for _ in range(tokens):
-            tok = int(step.next_token(tok))  # argmax in the graph; the host reads each token, as a stream does
+            tok = step.next_token_id(tok)  # argmax in the graph; the host reads each token, as a stream does
         b.record()
         b.synchronize()
         wall_ms.append((time.perf_counter() - w0) * 1e3 / tokens)
@@ -213,7 +213,7 @@ def bench_decode(model: Model, context: int, tokens: int = 64, runs: int = 3, se
     with torch.inference_mode():
         for _ in range(tokens):
             t0 = time.perf_counter()
-            out = step._run(tok, "logits", phases)[1]
+            out = step._run(tok, "logits", phases, record=False)[1]  # as `next_token_id`
             t1 = time.perf_counter()
             tok = int(out)
             t2 = time.perf_counter()

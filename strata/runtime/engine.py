@@ -155,4 +155,4 @@ class Engine:
         step = self._decode_step(state)
         if draw is not None and restart:
             step.sampler.configure(draw.temperature, draw.top_k, draw.top_p, draw.min_p, draw.seed)
-        return int(step.next_token(int(t[0]), sampled=draw is not None))
+        return step.next_token_id(int(t[0]), sampled=draw is not None)
