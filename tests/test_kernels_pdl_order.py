@@ -16,6 +16,7 @@ be compiled. In the test process this module sets it as they do, so that it may 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,10 +25,11 @@ if __name__ != "__main__":  # the test process (the compiling subprocess runs th
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 import triton  # noqa: E402
 
 from strata.kernels import gemv_rr as RR  # noqa: E402
-from strata.kernels import gemv_q8x, qsa_store  # noqa: E402
+from strata.kernels import gemv_q8x, hyper, qsa_store  # noqa: E402
 from strata.kernels.offline import compile_experts_gemm, compile_for, compile_rr  # noqa: E402
 
 WAIT = "griddepcontrol.wait"
@@ -39,10 +41,22 @@ def _ptx(fn, ptrs: dict[str, str], ints: dict, consts: dict, warps: int) -> str:
 
 
 def _rr_ptx(kind: str, has_ids: bool, ids_early: bool, release: int, x: str = "bf16", widen: bool = False,
-            q8x: bool = False) -> str:
+            q8x: bool = False, probe: bool = False) -> str:
     k = 2560 if kind != "Q5_1_R" else 640
     return compile_rr(kind, 2560, k, x=x, has_ids=has_ids, ids_early=ids_early, release=release, widen=widen,
-                      gdc=True, q8x=q8x)[0].asm["ptx"]
+                      gdc=True, q8x=q8x, probe=probe)[0].asm["ptx"]
+
+
+def _hc_read_ptx(write: bool) -> str:
+    """The one-launch HC read (`hyper._hc_read_kernel`) at the real geometry's knobs, bf16."""
+    ptrs = {a: "*bf16" for a in ("x_ptr", "down_ptr", "inj_ptr", "wi_ptr", "y_ptr", "xo_ptr", "iota_ptr", "up_ptr",
+                                  "a_ptr")}
+    ptrs.update(norm_ptr="*fp32", part_ptr="*fp32", rstd_ptr="*fp32", m_ptr="*fp32", cnt_ptr="*i32", xq_ptr="*i8",
+                qcnt_ptr="*i32", role_ptr="*i64", done_ptr="*i64")
+    ints = dict(H=2560, R=320, NI=4, RT=336, NRBD=40, NDOWN=492, NUP=1280, eps=1e-6)
+    consts = dict(S=4, KPS=3, BR=8, BK=1024, HB=2048, NHB=2, SP=4, BH=2, RC=512, NRC=1, NIP=4, DT=hyper.TL_DTYPES[
+        torch.bfloat16], WRITE=write, Q8=0, GDC=True)
+    return _ptx(hyper._hc_read_kernel, ptrs, ints, consts, 4)
 
 
 def _qsa_store_ptx(late: bool) -> str:
@@ -75,6 +89,10 @@ def _cases() -> dict:
             dict(SPAN=8, RB=16, GDC=True, LATE=lt), 4)
     for late in (True, False):
         cases[f"qsa_store-late-{late}"] = lambda lt=late: _qsa_store_ptx(lt)
+    cases["probe-Q4_K_R-glu"] = lambda: _rr_ptx("Q4_K_R", True, False, RR.RELEASE["ids"], probe=True)
+    cases["noprobe-Q4_K_R-glu"] = lambda: _rr_ptx("Q4_K_R", True, False, RR.RELEASE["ids"])
+    for write in (True, False):
+        cases[f"hc-read-one-launch-{write}"] = lambda w=write: _hc_read_ptx(w)
     for x, widen in (("bf16", True), ("bf16", False), ("fp32", True)):
         cases[f"widen-Q8_0_R-{x}-{widen}"] = lambda x=x, w=widen: _rr_ptx("Q8_0_R", False, False, RR.AT_WAIT, x, w)
     for kind, glu, x in (("Q4_K_R", True, "bf16"), ("Q5_1_R", False, "bf16"), ("Q4_K_R", True, "fp32")):
@@ -163,6 +181,28 @@ def test_experts_gemm_multiplies_16_bit_tiles_on_the_tensor_cores(ptx, case):
         assert not mma
     wait, launch = _order(code)
     assert launch < wait
+
+
+def test_probe_compiles_to_timer_reads_only_when_asked(ptx):
+    """`gemv_rr.PROBE`: the probed launch reads the global timer (start, wait, loop, end) and the SM id; an
+    unprobed one has none of it."""
+    probed, plain = ptx["probe-Q4_K_R-glu"], ptx["noprobe-Q4_K_R-glu"]
+    assert probed.count("%globaltimer") >= 4 and "%smid" in probed
+    assert "%globaltimer" not in plain and "%smid" not in plain
+
+
+@pytest.mark.parametrize("write", [True, False])
+def test_one_launch_hc_read_draws_its_role_before_letting_the_next_kernel_in(ptx, write):
+    """`hyper._hc_read_kernel`: the role ticket (a 64-bit atomic add) comes before the launch of dependents, so a
+    later launch of the same counters cannot draw before this one's programs have; the down programs count
+    themselves done with a release add; the up programs poll with acquire reads. Each role's half waits for the
+    previous kernel once (both halves are in the PTX)."""
+    code = ptx[f"hc-read-one-launch-{write}"]
+    assert code.count(LAUNCH) == 1
+    assert re.search(r"atom\.global\.gpu\.relaxed\.add\.u64", code[:code.index(LAUNCH)])  # the role ticket
+    assert re.search(r"(red|atom)\.global\.gpu\.release\.add\.u64", code)  # a down program done
+    assert re.search(r"(ld|atom)\.global\.gpu\.acquire\.(b64|add\.u64)", code)  # an up program's poll
+    assert code.count(WAIT) == 2
 
 
 if __name__ == "__main__":  # the fixture's subprocess: compile every case into the folder given

@@ -44,7 +44,7 @@ def compile_for(fn, ptrs: dict[str, str], ints: dict[str, int | float], consts: 
 
 def compile_rr(kind: str, n: int, k: int, *, glu: bool = False, x: str = "bf16", has_ids: bool = False,
                ids_early: bool = False, release: int | None = None, widen: bool | None = None, gdc: bool = False,
-               shape: tuple[int, int, int] | None = None, q8x: bool = False, arch: int = 90,
+               shape: tuple[int, int, int] | None = None, q8x: bool = False, probe: bool = False, arch: int = 90,
                ) -> tuple[triton.compiler.CompiledKernel, dict]:
     """One one-token launch of `gemv_rr._rr_kernel` over n rows of k weights of `kind` (its `launch_shape`, or
     `shape` = (rows, chunks per step, warps); no K split, bf16 output), compiled for sm_`arch`, and its launch
@@ -58,13 +58,14 @@ def compile_rr(kind: str, n: int, k: int, *, glu: bool = False, x: str = "bf16",
     br, sbc, warps = shape or gemv_rr.launch_shape(kind, n_chunks, -(-n // 8))[:3]
     rb = n_chunks * chunk_bytes
     ptrs = dict(x_ptr="*i8" if q8x else f"*{x}", g_ptr="*u8", u_ptr="*u8", ids_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32",
-                cnt_ptr="*i32", sw_ptr="*fp32", q_ptr="*i8")
+                cnt_ptr="*i32", sw_ptr="*fp32", q_ptr="*i8", probe_ptr="*i64")
     ints = dict(N=n, g_row_stride=rb, u_row_stride=rb, g_slot_stride=rb * n, u_slot_stride=rb * n, x_slot_stride=0,
                 out_slot_stride=0, q_slot_stride=0, BASE=gemv_rr._BASE[kind], X_ROW_STRIDE=0, D_STRIDE=1)
     consts = dict(KIND=kind, CHUNK_ELEMS=elems, CHUNK_BYTES=chunk_bytes, NCH=n_chunks, SBC=sbc, BR=br, GLU=glu,
                   HAS_IDS=has_ids, ASM=True, SPLIT_SUM=gemv._split_sum, SPLIT=1, SLOT_SUM=0, IDS_EARLY=ids_early,
                   RELEASE=gemv_rr.AFTER_LOOP if release is None else release,
-                  PRE=gemv_rr.preload_steps(kind, n_chunks // sbc, q8x), XW=widen, XQ=q8x, QOUT=0, GDC=gdc)
+                  PRE=gemv_rr.preload_steps(kind, n_chunks // sbc, q8x), XW=widen, XQ=q8x, QOUT=0, PROBE=probe,
+                  GDC=gdc)
     ck = compile_for(gemv_rr._rr_kernel, ptrs, ints, consts, warps, arch)
     return ck, dict(type=kind, n=n, k=k, kernel="rr glu" if glu else "rr", BN=br, warps=warps, NB=sbc,
                     x="q8" if q8x else x,
