@@ -24,6 +24,9 @@ write launch costs ~1 us of graph gap plus ~1.5 us of runtime, ~96 times per tok
 from x, y and inject_prev wherever they read x (all inputs are L2-resident, 20 KB at the real geometry), the
 row-block-0 programs store it, and the up kernel reads the stored x'.
 
+`ONE_LAUNCH` (an experiment, off) runs both halves as one launch, `_hc_read_kernel`: the up programs wait for the
+down programs of the same launch on a counter instead of for the PDL wait of a second launch (same bits).
+
 Partial sums go through a buffer and are reduced in a fixed order, never with atomics, so the result does not
 depend on scheduling and a CUDA-graph replay equals the eager call bit for bit. Nothing synchronises with the
 host; the two scratch buffers come from the caching allocator (so graph capture keeps them).
