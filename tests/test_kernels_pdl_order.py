@@ -47,6 +47,24 @@ def _rr_ptx(kind: str, has_ids: bool, ids_early: bool, release: int, x: str = "b
                       gdc=True, q8x=q8x, probe=probe)[0].asm["ptx"]
 
 
+def _hc_two_launch_ptx(half: str, late: bool) -> str:
+    """The two-launch HC read's down or up kernel at the real geometry's knobs, bf16."""
+    bf = "*bf16"
+    if half == "down":
+        ptrs = dict(x_ptr=bf, norm_ptr="*fp32", down_ptr=bf, inj_ptr=bf, part_ptr="*fp32", rstd_ptr="*fp32", wi_ptr=bf,
+                    y_ptr=bf, xo_ptr=bf, cnt_ptr="*i32", m_ptr="*fp32", iota_ptr=bf)
+        ints = dict(H=2560, R=320, NI=4, RT=336, NRBD=40, eps=1e-6)
+        consts = dict(S=4, KPS=3, BR=8, BK=1024, HB=2048, NHB=2, DT=hyper.TL_DTYPES[torch.bfloat16], WRITE=True,
+                      TICKETS=True, GDC=True, LATE=late)
+        return _ptx(hyper._hc_down_kernel, ptrs, ints, consts, 4)
+    ptrs = dict(x_ptr=bf, norm_ptr="*fp32", rstd_ptr="*fp32", up_ptr=bf, part_ptr="*fp32", m_ptr="*fp32", a_ptr=bf,
+                iota_ptr=bf, xq_ptr="*i8", qcnt_ptr="*i32")
+    ints = dict(H=2560, R=320, NI=4, RT=336)
+    consts = dict(S=4, SP=4, NKC=12, BH=2, RC=512, NRC=1, NIP=4, DT=hyper.TL_DTYPES[torch.bfloat16], TICKETS=True,
+                  Q8=0, GDC=True, LATE=late)
+    return _ptx(hyper._hc_up_kernel, ptrs, ints, consts, 4)
+
+
 def _hc_read_ptx(write: bool) -> str:
     """The one-launch HC read (`hyper._hc_read_kernel`) at the real geometry's knobs, bf16."""
     ptrs = {a: "*bf16" for a in ("x_ptr", "down_ptr", "inj_ptr", "wi_ptr", "y_ptr", "xo_ptr", "iota_ptr", "up_ptr",
@@ -93,6 +111,9 @@ def _cases() -> dict:
     cases["noprobe-Q4_K_R-glu"] = lambda: _rr_ptx("Q4_K_R", True, False, RR.RELEASE["ids"])
     for write in (True, False):
         cases[f"hc-read-one-launch-{write}"] = lambda w=write: _hc_read_ptx(w)
+    for half in ("down", "up"):
+        for late in (True, False):
+            cases[f"hc-{half}-late-{late}"] = lambda h=half, lt=late: _hc_two_launch_ptx(h, lt)
     for x, widen in (("bf16", True), ("bf16", False), ("fp32", True)):
         cases[f"widen-Q8_0_R-{x}-{widen}"] = lambda x=x, w=widen: _rr_ptx("Q8_0_R", False, False, RR.AT_WAIT, x, w)
     for kind, glu, x in (("Q4_K_R", True, "bf16"), ("Q5_1_R", False, "bf16"), ("Q4_K_R", True, "fp32")):
@@ -181,6 +202,17 @@ def test_experts_gemm_multiplies_16_bit_tiles_on_the_tensor_cores(ptx, case):
         assert not mma
     wait, launch = _order(code)
     assert launch < wait
+
+
+@pytest.mark.parametrize("half", ["down", "up"])
+@pytest.mark.parametrize("late", [False, True])
+def test_hc_read_release_points(ptx, half, late):
+    """The two-launch HC read's kernels (`hyper._hc_down_kernel`, `_hc_up_kernel`) let the next kernel in first,
+    or after their wait with LATE (`pdl.LATE_RELEASE`), and poll nothing (no counter, no acquire read)."""
+    code = ptx[f"hc-{half}-late-{late}"]
+    wait, launch = _order(code)
+    assert (wait < launch) == late
+    assert not re.search(r"(atom|red|ld)\.global\.gpu\.\w+\.(add\.u64|b64)", code)  # no 64-bit counter
 
 
 def test_probe_compiles_to_timer_reads_only_when_asked(ptx):
