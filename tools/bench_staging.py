@@ -44,15 +44,13 @@ def real_geometry_staging(tokens: int, table_rows_base: int | None) -> dict:
 
     from strata.model.ple import ple_rows_into
     from strata.runtime.state import PLEState
-    from strata.runtime.synthetic import TypeMix, _host_zeros, real_config
+    from strata.runtime.synthetic import TypeMix, real_config, zero_table
 
     cfg = real_config(**({"ngram_vocab_size_base": table_rows_base} if table_rows_base else {}))
     layer, geo = next(iter(cfg.ple.items()))
-    cols = cfg.ple_head_dim
-    table = QuantTensor(f"L{layer}.ple.table", _host_zeros(geo.rows, cols // 32 * 18), 20, (geo.rows, cols))
-    assert TypeMix().ple_table == "IQ4_NL"
+    table = zero_table(f"L{layer}.ple.table", (geo.rows, cfg.ple_head_dim), TypeMix().ple_table, "cpu")
     state = PLEState.empty(cfg, torch.bfloat16, "cpu")
-    out = torch.zeros(cfg.ngram_heads, cols // 32 * 18, dtype=torch.uint8)
+    out = torch.zeros(cfg.ngram_heads, table.data.shape[1], dtype=torch.uint8)
     raw = out.numpy()  # the step's buffer as it hands it over (numpy bytes), or the tensor where that is refused
     w = {table.name: table}
     try:

@@ -53,13 +53,11 @@ def ngram_rows_one(token: int, context: list[int], geo: PLEGeometry, cfg: ModelC
     rows: list[int] = []
     h = 0
     live = True  # no EOS between the id k back and the current one (exclusive)
-    mask, sign = (1 << 64) - 1, 1 << 63
     for k in range(n):
         v = hist[n - 1 - k] if live else eos
         if k > 0 and hist[n - 1 - k] == eos:
             live = False  # ids further back are replaced by EOS (this one is EOS itself)
-        p = (v * geo.multipliers[k]) & mask
-        h ^= p - (1 << 64) if p & sign else p
+        h ^= _i64(v * geo.multipliers[k])
         if k == 0:
             continue
         lo = (k - 1) * hpn

@@ -136,17 +136,23 @@ def synthetic_weights(cfg: ModelConfig, mix: TypeMix, device: str | torch.device
     for name, shape in expected_shapes(cfg).items():
         type_name = mix.type_of(name)
         if name.endswith("ple.table"):
-            from strata.weights.quant_tensor import QuantTensor
-            from strata.weights.quants import GGML_TYPES
-
-            t = next(t for t in GGML_TYPES.values() if t.name == type_name)
-            row_bytes = shape[1] // t.block_size * t.type_size
-            data = (_host_zeros(shape[0], row_bytes) if torch.device(ple_table_device).type == "cpu"
-                    else torch.zeros(shape[0], row_bytes, dtype=torch.uint8, device=ple_table_device))
-            tensors[name] = QuantTensor(name, data, t.id, shape)
+            tensors[name] = zero_table(name, shape, type_name, ple_table_device)
             continue
         tensors[name] = _tensor(name, shape, type_name, device, gen)
     return Weights(cfg, tensors, gdn_value_order="tiled", source="synthetic")
+
+
+def zero_table(name: str, shape: tuple[int, int], type_name: str, device: str | torch.device) -> StoredTensor:
+    """A quantized table of zeros (rows decode to 0) on `device`; in host memory in untouched pages
+    (`_host_zeros`), so only the rows that are read are ever committed."""
+    from strata.weights.quant_tensor import QuantTensor
+    from strata.weights.quants import GGML_TYPES
+
+    t = next(t for t in GGML_TYPES.values() if t.name == type_name)
+    row_bytes = shape[1] // t.block_size * t.type_size
+    data = (_host_zeros(shape[0], row_bytes) if torch.device(device).type == "cpu"
+            else torch.zeros(shape[0], row_bytes, dtype=torch.uint8, device=device))
+    return QuantTensor(name, data, t.id, shape)
 
 
 def real_config(**overrides) -> ModelConfig:
