@@ -462,19 +462,17 @@ def _launch(x, write, norm, down, up, inject, streams, eps, block_rows, block_h,
             NRC=triton.cdiv(R, rc), NIP=triton.next_power_of_2(ni) if ni else 0, DT=TL_DTYPES[dt],
             WRITE=write is not None, Q8=q8_span if xq is not None else 0, num_warps=warps_up or d["warps_up"],
             **pdl.launch(dev))
-        if xq is not None:
-            gemv_rr.record_q8x(a, xq, q8_span)
-        return (x_new if write is not None else None), a, (iota if inject is not None else None)
-    _hc_down_kernel[(row_blocks, nkc)](
-        x, norm, wd, wi, part, rstd, inj_prev, y, x_new, cnt if cnt is not None else rstd, m, iota,
-        H, R, ni, rt, nrbd, eps,
-        S=S, KPS=kps, BR=br, BK=bk, HB=hb, NHB=triton.cdiv(H, hb), DT=TL_DTYPES[dt], WRITE=write is not None,
-        TICKETS=cnt is not None, num_warps=warps_down or d["warps_down"], **pdl.launch(dev, "hc_down"))
-    _hc_up_kernel[(triton.cdiv(H, bh),)](
-        x_new, norm, rstd, wu, part, m, a, iota, xq if xq is not None else m, qcnt if qcnt is not None else rstd,
-        H, R, ni, rt, S=S, SP=triton.next_power_of_2(S), NKC=nkc, BH=bh, RC=rc, NRC=triton.cdiv(R, rc),
-        NIP=triton.next_power_of_2(ni) if ni else 0, DT=TL_DTYPES[dt], TICKETS=cnt is not None,
-        Q8=q8_span if xq is not None else 0, num_warps=warps_up or d["warps_up"], **pdl.launch(dev, "hc_up"))
+    else:
+        _hc_down_kernel[(row_blocks, nkc)](
+            x, norm, wd, wi, part, rstd, inj_prev, y, x_new, cnt if cnt is not None else rstd, m, iota,
+            H, R, ni, rt, nrbd, eps,
+            S=S, KPS=kps, BR=br, BK=bk, HB=hb, NHB=triton.cdiv(H, hb), DT=TL_DTYPES[dt], WRITE=write is not None,
+            TICKETS=cnt is not None, num_warps=warps_down or d["warps_down"], **pdl.launch(dev, "hc_down"))
+        _hc_up_kernel[(triton.cdiv(H, bh),)](
+            x_new, norm, rstd, wu, part, m, a, iota, xq if xq is not None else m, qcnt if qcnt is not None else rstd,
+            H, R, ni, rt, S=S, SP=triton.next_power_of_2(S), NKC=nkc, BH=bh, RC=rc, NRC=triton.cdiv(R, rc),
+            NIP=triton.next_power_of_2(ni) if ni else 0, DT=TL_DTYPES[dt], TICKETS=cnt is not None,
+            Q8=q8_span if xq is not None else 0, num_warps=warps_up or d["warps_up"], **pdl.launch(dev, "hc_up"))
     if xq is not None:
         gemv_rr.record_q8x(a, xq, q8_span)
     return (x_new if write is not None else None), a, (iota if inject is not None else None)
