@@ -64,3 +64,20 @@ def test_launch_stats_in_microseconds() -> None:
 def test_timer_step_is_the_smallest_reading_step() -> None:
     rows = np.array([[0, 1000, 0, 1032, 1064], [3, 2000, 0, 2064, 2128]], dtype=np.int64)
     assert sp.timer_step(rows) == 32.0
+
+
+def test_sm_stats_slope_of_span_over_programs() -> None:
+    """Per-SM spans that grow by 2 us per program give a slope of 2 and a correlation of 1; equal spans give no
+    slope (nothing to fit)."""
+    rows, sm_of = [], {0: 1, 1: 2, 2: 3}
+    for s, n in sm_of.items():
+        for i in range(n):
+            rows.append([s, 0, 0, 0, 1_000 + 2_000 * n])  # every program ends when its SM's n programs are done
+    rows = np.array(rows, dtype=np.int64)
+    st = sp.sm_stats(rows, rows[:, 1])
+    assert st["min_per_sm"] == 1 and st["per_sm_p50"] == 2.0
+    assert st["sm_span_p50"] == pytest.approx(5.0) and st["sm_span_max"] == pytest.approx(7.0)
+    assert st["us_per_program"] == pytest.approx(2.0) and st["span_count_r"] == pytest.approx(1.0)
+    rows[:, 4] = 4_000
+    st = sp.sm_stats(rows, rows[:, 1])
+    assert "us_per_program" not in st and st["sm_span_max"] == pytest.approx(4.0)

@@ -12,7 +12,9 @@ the median over the launches of the same matrix (the 48 layers):
 * loop: each program's K loop (from its wait, or its start) and the time from its loop to its end (stores, split-K
   tickets, the slot sum);
 * end: when the programs end, after the first start (p50, max: the launch's span);
-* at: the launch's first start after the replay's first probed program (where it sits in the token).
+* at: the launch's first start after the replay's first probed program (where it sits in the token);
+* per SM: programs per SM, each SM's span (its first loop start to its last end) and how it grows with the SM's
+  program count (`sm_stats`): spans that grow with the count mean the launch is bound by what an SM issues.
 
     python tools/step_probe.py --classes ids,settled-ids --out probe.json
 
@@ -64,6 +66,24 @@ def launch_stats(rows: np.ndarray, t0: int) -> dict:
     if has_wait:
         out["waited_p50"] = _pct(waited - s0, 50)
         out["waited_max"] = _pct(waited - s0, 100)
+    out.update(sm_stats(rows, loop_from))
+    return out
+
+
+def sm_stats(rows: np.ndarray, loop_from: np.ndarray) -> dict:
+    """How the launch's work sat on its SMs: programs per SM (min, p50), each SM's span from its programs' first
+    loop start to their last end (p50, max), and how the span grows with the SM's program count (least-squares
+    us per program, and the correlation). A launch bound by what one SM can issue has spans that grow with the
+    count; one bound by memory has spans that do not."""
+    sm = rows[:, SM].astype(np.int64)
+    used = np.unique(sm)
+    counts = np.array([(sm == s).sum() for s in used], dtype=np.float64)
+    spans = np.array([(rows[sm == s, END].max() - loop_from[sm == s].min()) / 1e3 for s in used])
+    out = {"min_per_sm": int(counts.min()), "per_sm_p50": float(np.median(counts)),
+           "sm_span_p50": float(np.median(spans)), "sm_span_max": float(spans.max())}
+    if used.size > 2 and counts.std() > 0 and spans.std() > 0:
+        out["us_per_program"] = float(np.polyfit(counts, spans, 1)[0])
+        out["span_count_r"] = float(np.corrcoef(counts, spans)[0, 1])
     return out
 
 
@@ -129,11 +149,13 @@ def main() -> int:
         summary[label] = {"launches": len(sts), **{k: statistics.median(s[k] for s in sts) for k in keys if k != "at"}}
     print(f"replay ms: unprobed {replay_ms['unprobed']:.3f}, probed {replay_ms['probed']:.3f}; timer step "
           f"{timer_step(data[[i for _, _, f, g in ours for i in range(f, f + g[0] * g[1] * g[2])]]):.0f} ns")
-    cols = ("programs", "max_per_sm", "start_p50", "start_max", "waited_p50", "waited_max", "loop_p50", "loop_p90",
-            "after_loop_p50", "end_p50", "end_max")
-    print(f"{'launch (median over launches, us)':<40}{'n':>4}" + "".join(f"{c:>15}" for c in cols))
-    for label, s in summary.items():
-        print(f"{label:<40}{s['launches']:>4}" + "".join(f"{s.get(c, float('nan')):>15.2f}" for c in cols))
+    for cols in (("programs", "max_per_sm", "start_p50", "start_max", "waited_p50", "waited_max", "loop_p50",
+                  "loop_p90", "after_loop_p50", "end_p50", "end_max"),
+                 ("min_per_sm", "per_sm_p50", "max_per_sm", "sm_span_p50", "sm_span_max", "us_per_program",
+                  "span_count_r")):
+        print(f"{'launch (median over launches, us)':<34}{'n':>3}" + "".join(f"{c[:14]:>15}" for c in cols))
+        for label, s in summary.items():
+            print(f"{label:<34}{s['launches']:>3}" + "".join(f"{s.get(c, float('nan')):>15.2f}" for c in cols))
     report = {"commit": args.commit or bench.git_commit(), "gpu": torch.cuda.get_device_name(dev),
               "context": args.context, "activations": args.activations, "classes": classes, "replay_ms": replay_ms,
               "summary": summary, "launches": {k: v for k, v in per_label.items()}}
