@@ -63,6 +63,8 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   experts-gemm-shape:BN,W    the grouped expert GEMM with BN weight rows per program over W warps
                              (`experts_gemm.BLOCK_N`, `NUM_WARPS`)
   prefill-chunk:N            the prefill of --prefill-tokens in chunks of N tokens (512: `Engine.prefill`'s)
+  sm-cap:CLASS:N              row-register launches of CLASS (plain, ids, settled-ids) hold at most N programs per
+                             SM, by the shared memory each program reserves (`gemv_rr.SM_CAP`)
   shape:KIND:NCH:LO:HI:BR,SBC,WARPS,SPLIT
                              row-register launches of KIND over NCH chunks with LO <= row tiles < HI in this
                              launch shape (`gemv_rr.launch_shape`)
@@ -193,6 +195,7 @@ def apply(variant: str) -> dict:
     gemv_rr.PRELOAD.clear()
     gemv_rr.PRELOAD.update(BASE["PRELOAD"])
     hyper.ONE_LAUNCH["on"] = BASE["ONE_LAUNCH"]
+    gemv_rr.SM_CAP.clear()
     for t in BASE["GEMV_TYPE_NAMES"].values():
         kernel_gemv.GEMV_TYPE_NAMES[t.name] = kernel_gemv.GEMV_TYPES[t.type_id] = t
     swaps = {}
@@ -270,6 +273,8 @@ def _apply_one(variant: str) -> dict:
                                            torch.cuda.get_device_properties(0).multi_processor_count)[int(args[0])])
         knobs.pop("finish_in_down", None)
         hyper.hc_read_defaults = lambda *a: dict(knobs)
+    elif name == "sm-cap" and len(args) == 2 and args[0] in gemv_rr.RELEASE:
+        gemv_rr.SM_CAP[args[0]] = int(args[1])
     elif name == "hc-up" and len(args) == 1:
         hyper.hc_read_defaults = functools.partial(BASE["hc_read_defaults"], block_h=int(args[0]))
     elif name == "shape" and len(args) == 5:
