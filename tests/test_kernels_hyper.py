@@ -184,15 +184,13 @@ def test_defaults_at_the_real_geometry():
             {k: v for k, v in d.items() if k not in ("block_h", "block_r")}
 
 
-@pytest.mark.parametrize("one_launch", [False, True])
 @pytest.mark.parametrize("block_h", [4, 32, 64])  # 8 programs per run (tickets), one, two runs per program
 @pytest.mark.parametrize("write", [False, True])
-def test_q8_units_are_the_quantized_output(block_h, write, one_launch, monkeypatch):
+def test_q8_units_are_the_quantized_output(block_h, write):
     """With q8_span the up kernel also writes a as Q8 units: the bytes `gemv_q8x.quantize` makes of a, every one
     written (the int8 scratch is poisoned), a itself unchanged; `quantize` of a, or of a view of all of it,
     returns them without a launch, twice in a row (the tickets were put back). A consumer of another span, or a
     changed in place, gets a fresh quantization."""
-    monkeypatch.setitem(hyper.ONE_LAUNCH, "on", one_launch)
     S, H, R = 4, 256, 24
     x, norm, down, up, inject = make(S, H, R, torch.bfloat16, seed=block_h + write)
     args = (norm, down, up, inject, S, EPS)
@@ -218,39 +216,3 @@ def test_q8_units_need_a_hidden_size_of_whole_units():
     x, norm, down, up, inject = make(S, H, R, torch.float32, seed=3)
     a, _ = hyper.hc_read(x, norm, down, up, inject, S, EPS, q8_span=gemv_q8x.UNITS_SPAN)
     assert gemv_rr.recorded_q8x(a, gemv_q8x.UNITS_SPAN) is None
-
-
-@pytest.mark.parametrize("S,H,R,dtype,knobs", [CASES[0], CASES[3], CASES[5]])
-@pytest.mark.parametrize("write", [False, True])
-def test_one_launch_read_changes_no_bit(S, H, R, dtype, knobs, write, monkeypatch):
-    """The read in one launch (`ONE_LAUNCH`: up programs wait for the down ones on a counter) gives the two
-    launches' bits, with and without the folded write and the inject rows, three calls in a row (the role and
-    done counters only grow: each launch must find its own share of them). Its Q8 units:
-    test_q8_units_are_the_quantized_output."""
-    x, norm, down, up, inject = make(S, H, R, dtype, seed=S * 10 + H + R + write)
-    args = (norm, down, up, inject, S, EPS)
-    wr = (inject.tensor[:, 0].reshape(1, S).float().sigmoid().to(dtype), x[:, :H].flip(-1)) if write else ()
-    call = hyper.hc_write_read if write else hyper.hc_read
-    want = call(x, *wr, *args, **knobs)
-    monkeypatch.setitem(hyper.ONE_LAUNCH, "on", True)
-    for _ in range(3):
-        got = call(x, *wr, *args, **knobs)
-        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
-    no_inject = call(x, *wr, norm, down, up, None, S, EPS, **knobs)
-    monkeypatch.setitem(hyper.ONE_LAUNCH, "on", False)
-    assert all(torch.equal(g, w) for g, w in zip(no_inject, call(x, *wr, norm, down, up, None, S, EPS, **knobs),
-                                                  strict=True) if g is not None)
-
-
-def test_one_launch_counters_only_grow(monkeypatch):
-    """Each one-launch read draws exactly its programs' role tickets and counts exactly its down programs done."""
-    S, H, R = 2, 48, 16
-    x, norm, down, up, inject = make(S, H, R, torch.float32, seed=4)
-    knobs = {"block_rows": 4, "block_k": 16, "block_h": 16}
-    monkeypatch.setitem(hyper.ONE_LAUNCH, "on", True)
-    hyper.hc_read(x, norm, down, up, inject, S, EPS, **knobs)
-    (key, roles), = [(k, v) for k, v in hyper._ROLE_COUNTERS.items() if k[2] == (4 + 1) * S * 3 + 3]
-    before = roles.clone()
-    hyper.hc_read(x, norm, down, up, inject, S, EPS, **knobs)
-    ndown = (16 // 4 + 1) * S * 3  # row blocks (4 of W_down, 1 of W_inject) x K chunks (3 per stream)
-    assert (roles - before).tolist() == [ndown + 3, ndown]  # 3 up programs of 16 features

@@ -65,18 +65,6 @@ def _hc_two_launch_ptx(half: str, late: bool) -> str:
     return _ptx(hyper._hc_up_kernel, ptrs, ints, consts, 4)
 
 
-def _hc_read_ptx(write: bool) -> str:
-    """The one-launch HC read (`hyper._hc_read_kernel`) at the real geometry's knobs, bf16."""
-    ptrs = {a: "*bf16" for a in ("x_ptr", "down_ptr", "inj_ptr", "wi_ptr", "y_ptr", "xo_ptr", "iota_ptr", "up_ptr",
-                                  "a_ptr")}
-    ptrs.update(norm_ptr="*fp32", part_ptr="*fp32", rstd_ptr="*fp32", m_ptr="*fp32", cnt_ptr="*i32", xq_ptr="*i8",
-                qcnt_ptr="*i32", role_ptr="*i64", done_ptr="*i64")
-    ints = dict(H=2560, R=320, NI=4, RT=336, NRBD=40, NDOWN=492, NUP=1280, eps=1e-6)
-    consts = dict(S=4, KPS=3, BR=8, BK=1024, HB=2048, NHB=2, SP=4, BH=2, RC=512, NRC=1, NIP=4, DT=hyper.TL_DTYPES[
-        torch.bfloat16], WRITE=write, Q8=0, GDC=True)
-    return _ptx(hyper._hc_read_kernel, ptrs, ints, consts, 4)
-
-
 def _qsa_store_ptx(late: bool) -> str:
     ptrs = dict(pos_ptr="*i64", ki_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", raw_ptr="*bf16", blk_ptr="*bf16",
                 kc_ptr="*bf16", vc_ptr="*bf16", inorm_ptr="*fp32", knorm_ptr="*fp32", cos_ptr="*fp32",
@@ -109,8 +97,6 @@ def _cases() -> dict:
         cases[f"qsa_store-late-{late}"] = lambda lt=late: _qsa_store_ptx(lt)
     cases["probe-Q4_K_R-glu"] = lambda: _rr_ptx("Q4_K_R", True, False, RR.RELEASE["ids"], probe=True)
     cases["noprobe-Q4_K_R-glu"] = lambda: _rr_ptx("Q4_K_R", True, False, RR.RELEASE["ids"])
-    for write in (True, False):
-        cases[f"hc-read-one-launch-{write}"] = lambda w=write: _hc_read_ptx(w)
     for half in ("down", "up"):
         for late in (True, False):
             cases[f"hc-{half}-late-{late}"] = lambda h=half, lt=late: _hc_two_launch_ptx(h, lt)
@@ -221,20 +207,6 @@ def test_probe_compiles_to_timer_reads_only_when_asked(ptx):
     probed, plain = ptx["probe-Q4_K_R-glu"], ptx["noprobe-Q4_K_R-glu"]
     assert probed.count("%globaltimer") >= 4 and "%smid" in probed
     assert "%globaltimer" not in plain and "%smid" not in plain
-
-
-@pytest.mark.parametrize("write", [True, False])
-def test_one_launch_hc_read_draws_its_role_before_letting_the_next_kernel_in(ptx, write):
-    """`hyper._hc_read_kernel`: the role ticket (a 64-bit atomic add) comes before the launch of dependents, so a
-    later launch of the same counters cannot draw before this one's programs have; the down programs count
-    themselves done with a release add; the up programs poll with acquire reads. Each role's half waits for the
-    previous kernel once (both halves are in the PTX)."""
-    code = ptx[f"hc-read-one-launch-{write}"]
-    assert code.count(LAUNCH) == 1
-    assert re.search(r"atom\.global\.gpu\.relaxed\.add\.u64", code[:code.index(LAUNCH)])  # the role ticket
-    assert re.search(r"(red|atom)\.global\.gpu\.release\.add\.u64", code)  # a down program done
-    assert re.search(r"(ld|atom)\.global\.gpu\.acquire\.(b64|add\.u64)", code)  # an up program's poll
-    assert code.count(WAIT) == 2
 
 
 if __name__ == "__main__":  # the fixture's subprocess: compile every case into the folder given

@@ -23,7 +23,8 @@ _spec.loader.exec_module(sv)
 # every form of the module's docstring that needs no CUDA device to parse (hc:I reads the SM count)
 VARIANTS = ["base", "select:removed", "select:radix", "route:removed", "release:after-loop", "gdn:16",
             "preload:Q4_K_R:3", "preload:Q8_0_R/6:2", "preload:q8:Q8_0_R/6:3", "preload:q8:Q4_K_R:5",
-            "gemv-type:Q8_0:4,2,1", "ids-early:off", "select:ranked:8:1024", "attend:64:32", "hc-up:8", "hc:one-launch", "hc:one-launch+hc-up:8",
+            "gemv-type:Q8_0:4,2,1", "ids-early:off", "select:ranked:8:1024", "attend:64:32", "hc-up:8", "sm-cap:ids:13",
+            "sm-cap:ids:13+sm-cap:settled-ids:25",
             "release-plain:0", "release-settled:1", "release-rows:2560:1", "late:hc_up:1", "streams:off",
             "shared:removed", "argmax:torch", "norm-ropes:split", "activations:q8", "q8-units:off",
             "quantize:removed", "x-widen:0", "experts-gemm:0", "experts-gemm-shape:32,8", "prefill-chunk:1024",
@@ -35,7 +36,7 @@ def _knobs() -> tuple:
             gemv_rr.launch_shape, gemv_rr.launch, hyper.hc_read_defaults, dict(sv.PREFILL), gdn.gdn_step,
             attention.select_blocks_ranked, attention.RANK_SELECT_MAX_BLOCKS, attention.attend, gemv_q8x.quantize,
             kernel_ops.SETTLED_IDS, kernel_ops.GEMM_MIN_TOKENS, kernel_ops.Q8_UNITS_FROM_GLU, graph.greedy_token,
-            (experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS), dict(hyper.ONE_LAUNCH))
+            (experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS), dict(gemv_rr.SM_CAP))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -67,8 +68,8 @@ def test_unknown_variant_is_refused(variant: str) -> None:
     sv.apply("base")
 
 
-def test_one_launch_variant_sets_its_switch() -> None:
-    sv.apply("hc:one-launch")
-    assert hyper.ONE_LAUNCH["on"]
+def test_sm_cap_variant_sets_its_class() -> None:
+    sv.apply("sm-cap:ids:13+sm-cap:settled-ids:25")
+    assert gemv_rr.SM_CAP == {"ids": 13, "settled-ids": 25}
     sv.apply("base")
-    assert not hyper.ONE_LAUNCH["on"]
+    assert gemv_rr.SM_CAP == {}

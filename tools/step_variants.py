@@ -31,8 +31,6 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   select:ranked:ROWS:CHUNK   the ranked selection with these knobs (`select.select_blocks_ranked`)
   attend:SPLIT:BW            QSA attention with SPLIT keys per program in steps of BW (`attention.attend`)
   hc:I                       the HC read's knobs set to `hyper.hc_read_configs(...)[I]` (but its `finish_in_down`)
-  hc:one-launch              the HC read's two halves in one launch, the up programs waiting for the down ones on
-                             a counter (`hyper.ONE_LAUNCH`)
   hc-up:BH                   the HC read's up kernel with BH output features per program (default 2 at the real
                              geometry; from 32 a program writes whole Q8 runs in the q8 mode, no tickets)
   release-plain:M            row-register launches without expert ids let the next kernel in after their K loop
@@ -101,7 +99,7 @@ BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attent
         "LATE_RELEASE": dict(pdl.LATE_RELEASE), "WIDEN_X_ASM": gemv_rr.WIDEN_X_ASM,
         "gdn_step": gdn.gdn_step, "PRELOAD": dict(gemv_rr.PRELOAD),
         "GEMV_TYPE_NAMES": dict(kernel_gemv.GEMV_TYPE_NAMES), "greedy_token": graph.greedy_token,
-        "GEMM_MIN_TOKENS": kernel_ops.GEMM_MIN_TOKENS, "ONE_LAUNCH": hyper.ONE_LAUNCH["on"],
+        "GEMM_MIN_TOKENS": kernel_ops.GEMM_MIN_TOKENS,
         "GEMM_SHAPE": (experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS), "quantize": gemv_q8x.quantize}
 
 
@@ -194,7 +192,6 @@ def apply(variant: str) -> dict:
     experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS = BASE["GEMM_SHAPE"]
     gemv_rr.PRELOAD.clear()
     gemv_rr.PRELOAD.update(BASE["PRELOAD"])
-    hyper.ONE_LAUNCH["on"] = BASE["ONE_LAUNCH"]
     gemv_rr.SM_CAP.clear()
     for t in BASE["GEMV_TYPE_NAMES"].values():
         kernel_gemv.GEMV_TYPE_NAMES[t.name] = kernel_gemv.GEMV_TYPES[t.type_id] = t
@@ -265,8 +262,6 @@ def _apply_one(variant: str) -> dict:
                                                            chunk=int(args[2]))
     elif name == "attend" and len(args) == 2:
         attention.attend = functools.partial(BASE["attend"], split=int(args[0]), block_w=int(args[1]))
-    elif name == "hc" and args == ["one-launch"]:
-        hyper.ONE_LAUNCH["on"] = True
     elif name == "hc" and len(args) == 1:
         cfg = real_config()
         knobs = dict(hyper.hc_read_configs(cfg.hc_count, cfg.hidden_size, cfg.hc_lowrank,

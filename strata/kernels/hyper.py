@@ -24,9 +24,6 @@ write launch costs ~1 us of graph gap plus ~1.5 us of runtime, ~96 times per tok
 from x, y and inject_prev wherever they read x (all inputs are L2-resident, 20 KB at the real geometry), the
 row-block-0 programs store it, and the up kernel reads the stored x'.
 
-`ONE_LAUNCH` (an experiment, off) runs both halves as one launch, `_hc_read_kernel`: the up programs wait for the
-down programs of the same launch on a counter instead of for the PDL wait of a second launch (same bits).
-
 Partial sums go through a buffer and are reduced in a fixed order, never with atomics, so the result does not
 depend on scheduling and a CUDA-graph replay equals the eager call bit for bit. Nothing synchronises with the
 host; the two scratch buffers come from the caching allocator (so graph capture keeps them).
@@ -157,15 +154,14 @@ def _hc_up_kernel(x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, m_ptr, a_ptr, iot
     if not LATE:
         pdl.started(GDC)
     _hc_up_part(tl.program_id(0), tl.num_programs(0), x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, m_ptr, a_ptr,
-                iota_ptr, xq_ptr, qcnt_ptr, H, R, NI, RT, x_ptr, 0, S, SP, NKC, BH, RC, NRC, NIP, DT, TICKETS, Q8,
-                GDC, LATE, False)
+                iota_ptr, xq_ptr, qcnt_ptr, H, R, NI, RT, S, SP, NKC, BH, RC, NRC, NIP, DT, TICKETS, Q8, GDC, LATE)
 
 
 @triton.jit
 def _hc_up_part(pid, nup, x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, m_ptr, a_ptr, iota_ptr, xq_ptr, qcnt_ptr, H,
-                R, NI, RT, done_ptr, target, S: tl.constexpr, SP: tl.constexpr, NKC: tl.constexpr, BH: tl.constexpr,
+                R, NI, RT, S: tl.constexpr, SP: tl.constexpr, NKC: tl.constexpr, BH: tl.constexpr,
                 RC: tl.constexpr, NRC: tl.constexpr, NIP: tl.constexpr, DT: tl.constexpr, TICKETS: tl.constexpr,
-                Q8: tl.constexpr, GDC: tl.constexpr, LATE: tl.constexpr, SPIN: tl.constexpr):
+                Q8: tl.constexpr, GDC: tl.constexpr, LATE: tl.constexpr):
     """a[i] = mean_s GN(x)[s, i] * sigma((W_up m)[s*H + i]) for BH features i, m = SiLU((sum of the down
     partials) / S); the last program also writes iota = 2 sigma((sum of the inject partials) / S). The loads
     come first for the same reason as in the down kernel; the loop over NRC column chunks has no barrier, so
@@ -174,10 +170,7 @@ def _hc_up_part(pid, nup, x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, m_ptr, a_
     kernel, everything it wrote after. TICKETS: the down kernel finished m and iota (see there); m is loaded.
     LATE: `pdl.LATE_RELEASE` (the caller lets the next kernel in first otherwise). Q8 (a word span of
     `gemv_q8x.ORDER`, 0: none): a is also stored as Q8 units (`gemv_rr.store_q8x_runs`) to xq, each run of 32
-    features by the last of its programs to draw a ticket from qcnt (BH < 32), or by its program (BH >= 32).
-
-    SPIN (the one-launch read, `_hc_read_kernel`): after its PDL wait the program also waits until the counter at
-    done_ptr reaches `target` (the down programs of its launch have finished) and reads what they wrote past L1."""
+    features by the last of its programs to draw a ticket from qcnt (BH < 32), or by its program (BH >= 32)."""
     ni = tl.where(pid == nup - 1, NI, 0)  # inject rows this program handles
     sv = tl.arange(0, SP)
     i = pid * BH + tl.arange(0, BH)
@@ -190,13 +183,8 @@ def _hc_up_part(pid, nup, x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, m_ptr, a_
     pdl.wait(GDC)
     if LATE:
         pdl.started(GDC)
-    CM: tl.constexpr = ".cg" if SPIN else ""
-    if SPIN:
-        seen = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu")
-        while seen < target:
-            seen = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu")
-    xv = tl.load(x_ptr + row, mask=fm, other=0.0, cache_modifier=CM).to(tl.float32)
-    rs = tl.load(rstd_ptr + sv, mask=sv < S, other=0.0, cache_modifier=CM)
+    xv = tl.load(x_ptr + row, mask=fm, other=0.0).to(tl.float32)
+    rs = tl.load(rstd_ptr + sv, mask=sv < S, other=0.0)
     if (NIP > 0) and not TICKETS:  # loaded (predicated) by every program, used by the last
         n = tl.arange(0, NIP)
         pi = tl.zeros([NIP], tl.float32)
@@ -212,7 +200,7 @@ def _hc_up_part(pid, nup, x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, m_ptr, a_
             w = tl.load(up_ptr + row[:, :, None] * R + r[None, None, :], mask=fm[:, :, None] & rm[None, None, :],
                         other=0.0)
         if TICKETS:
-            mv = tl.load(m_ptr + r, mask=rm, other=0.0, cache_modifier=CM)
+            mv = tl.load(m_ptr + r, mask=rm, other=0.0)
         else:
             p = tl.zeros([RC], tl.float32)
             for kc in tl.static_range(NKC):  # fixed order: the same sum in every program and every call
@@ -241,58 +229,6 @@ def _hc_up_part(pid, nup, x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, m_ptr, a_
         yi = tl.math.div_rn(yi, S).to(DT).to(tl.float32)
         yi = tl.sigmoid(yi).to(DT).to(tl.float32)
         tl.store(iota_ptr + n, (2.0 * yi).to(DT), mask=n < ni)
-
-
-@triton.jit
-def _hc_read_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, wi_ptr, y_ptr, xo_ptr, cnt_ptr, m_ptr,
-                    iota_ptr, up_ptr, a_ptr, xq_ptr, qcnt_ptr, role_ptr, done_ptr, H, R, NI, RT, NRBD, NDOWN, NUP,
-                    eps, S: tl.constexpr, KPS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr,
-                    NHB: tl.constexpr, SP: tl.constexpr, BH: tl.constexpr, RC: tl.constexpr, NRC: tl.constexpr,
-                    NIP: tl.constexpr, DT: tl.constexpr, WRITE: tl.constexpr, Q8: tl.constexpr = 0,
-                    GDC: tl.constexpr = False):
-    """Both halves of the read in one launch (`ONE_LAUNCH`): NDOWN down programs, then NUP up programs, which wait
-    for the down ones on a counter instead of for a second launch's PDL wait.
-
-    Roles go by arrival: each program draws a ticket from role_ptr and the first NDOWN of a launch are down
-    programs, so every up program that waits was started after every down program it waits for (a running
-    program is resident and finishes: no deadlock whatever order the hardware starts programs in). The next
-    kernel is let in only after the draw, so all of this launch's programs have drawn before a later launch of
-    the same counters can start. Both counters only grow (int64): a launch's tickets are the next NDOWN + NUP
-    (its index is ticket // (NDOWN + NUP)), and its up programs wait until done_ptr reaches NDOWN times the
-    launches so far, so nothing is reset and a graph replay finds them consistent. Down programs count
-    themselves done after their last store (a barrier, then a release add); up programs read past L1."""
-    t = tl.atomic_add(role_ptr, 1, sem="relaxed", scope="gpu")
-    pdl.started(GDC)
-    total = NDOWN + NUP
-    vid = (t % total).to(tl.int32)
-    if vid < NDOWN:
-        _hc_down_part(vid // (S * KPS), vid % (S * KPS), x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr,
-                      wi_ptr, y_ptr, xo_ptr, cnt_ptr, m_ptr, iota_ptr, H, R, NI, RT, NRBD, eps, S, KPS, BR, BK, HB,
-                      NHB, DT, WRITE, True, GDC, False)
-        tl.debug_barrier()  # every thread's stores are issued before the program counts itself done
-        tl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
-    else:
-        _hc_up_part(vid - NDOWN, NUP, xo_ptr if WRITE else x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, m_ptr, a_ptr,
-                    iota_ptr, xq_ptr, qcnt_ptr, H, R, NI, RT, done_ptr, (t // total + 1) * NDOWN, S, SP, S * KPS, BH,
-                    RC, NRC, NIP, DT, True, Q8, GDC, False, True)
-
-
-ONE_LAUNCH = {"on": False}
-"""Whether the one-token read runs as one launch (`_hc_read_kernel`) instead of a down and an up launch: an
-experiment (`tools/step_variants.py hc:one-launch`), off until measured faster in the step."""
-
-_ROLE_COUNTERS: dict[tuple[torch.device, int, int], torch.Tensor] = {}
-
-
-def _role_counters(dev: torch.device, total: int) -> torch.Tensor:
-    """The one-launch read's two int64 counters (role tickets, finished down programs) for launches of `total`
-    programs on the current stream: zeros when made, then only ever added to (see `_hc_read_kernel`). Made on
-    first use, as the split-K tickets (a decode step's warm-up, before its capture), and kept."""
-    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
-    key = (dev, stream, total)
-    if key not in _ROLE_COUNTERS:
-        _ROLE_COUNTERS[key] = torch.zeros(2, dtype=torch.int64, device=dev)
-    return _ROLE_COUNTERS[key]
 
 
 def supported(x: torch.Tensor, down: StoredTensor, up: StoredTensor, inject: StoredTensor | None) -> bool:
@@ -452,27 +388,16 @@ def _launch(x, write, norm, down, up, inject, streams, eps, block_rows, block_h,
     iota = torch.empty(1, max(ni, 1), dtype=dt, device=dev)
     qcnt = _q8_counters(dev, q8_span, H, bh)
     xq = torch.empty(1, gemv_q8x.row_bytes(H), dtype=torch.int8, device=dev) if qcnt is not None else None
-    if ONE_LAUNCH["on"] and cnt is not None:
-        nup = triton.cdiv(H, bh)
-        roles = _role_counters(dev, row_blocks * nkc + nup)
-        _hc_read_kernel[(row_blocks * nkc + nup,)](
-            x, norm, wd, wi, part, rstd, inj_prev, y, x_new, cnt, m, iota, wu, a, xq if xq is not None else m,
-            qcnt if qcnt is not None else rstd, roles[0:], roles[1:], H, R, ni, rt, nrbd, row_blocks * nkc, nup, eps,
-            S=S, KPS=kps, BR=br, BK=bk, HB=hb, NHB=triton.cdiv(H, hb), SP=triton.next_power_of_2(S), BH=bh, RC=rc,
-            NRC=triton.cdiv(R, rc), NIP=triton.next_power_of_2(ni) if ni else 0, DT=TL_DTYPES[dt],
-            WRITE=write is not None, Q8=q8_span if xq is not None else 0, num_warps=warps_up or d["warps_up"],
-            **pdl.launch(dev))
-    else:
-        _hc_down_kernel[(row_blocks, nkc)](
-            x, norm, wd, wi, part, rstd, inj_prev, y, x_new, cnt if cnt is not None else rstd, m, iota,
-            H, R, ni, rt, nrbd, eps,
-            S=S, KPS=kps, BR=br, BK=bk, HB=hb, NHB=triton.cdiv(H, hb), DT=TL_DTYPES[dt], WRITE=write is not None,
-            TICKETS=cnt is not None, num_warps=warps_down or d["warps_down"], **pdl.launch(dev, "hc_down"))
-        _hc_up_kernel[(triton.cdiv(H, bh),)](
-            x_new, norm, rstd, wu, part, m, a, iota, xq if xq is not None else m, qcnt if qcnt is not None else rstd,
-            H, R, ni, rt, S=S, SP=triton.next_power_of_2(S), NKC=nkc, BH=bh, RC=rc, NRC=triton.cdiv(R, rc),
-            NIP=triton.next_power_of_2(ni) if ni else 0, DT=TL_DTYPES[dt], TICKETS=cnt is not None,
-            Q8=q8_span if xq is not None else 0, num_warps=warps_up or d["warps_up"], **pdl.launch(dev, "hc_up"))
+    _hc_down_kernel[(row_blocks, nkc)](
+        x, norm, wd, wi, part, rstd, inj_prev, y, x_new, cnt if cnt is not None else rstd, m, iota,
+        H, R, ni, rt, nrbd, eps,
+        S=S, KPS=kps, BR=br, BK=bk, HB=hb, NHB=triton.cdiv(H, hb), DT=TL_DTYPES[dt], WRITE=write is not None,
+        TICKETS=cnt is not None, num_warps=warps_down or d["warps_down"], **pdl.launch(dev, "hc_down"))
+    _hc_up_kernel[(triton.cdiv(H, bh),)](
+        x_new, norm, rstd, wu, part, m, a, iota, xq if xq is not None else m, qcnt if qcnt is not None else rstd,
+        H, R, ni, rt, S=S, SP=triton.next_power_of_2(S), NKC=nkc, BH=bh, RC=rc, NRC=triton.cdiv(R, rc),
+        NIP=triton.next_power_of_2(ni) if ni else 0, DT=TL_DTYPES[dt], TICKETS=cnt is not None,
+        Q8=q8_span if xq is not None else 0, num_warps=warps_up or d["warps_up"], **pdl.launch(dev, "hc_up"))
     if xq is not None:
         gemv_rr.record_q8x(a, xq, q8_span)
     return (x_new if write is not None else None), a, (iota if inject is not None else None)
