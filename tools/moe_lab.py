@@ -9,7 +9,9 @@ the GLU (Q4_K_R gate/up, 10 slots of 640 x 2560) and the down projections with t
 * spread: each layer its own stack, 10 random experts of 512 (the step: cold L2, pages all over ~45 GB);
 * first10: each layer its own stack, experts 0-9 (cold L2, but each launch reads one contiguous run of pages);
 * one-stack: every launch the same stack and the same 10 random experts (L2 and address translation warm);
-* and, for scale, a plain row-register GEMV of the same bytes (Q4_K_R 12800 x 2560) in 48 copies.
+* and, for scale, a plain row-register GEMV of the same bytes (Q4_K_R 12800 x 2560) in 48 copies, also with K
+  split in 5 (one loop step per program), and as 64000 x 512 (each program's bytes contiguous: one step of 8
+  rows of 512).
 
 If `spread` is much slower than `first10`, the pages the experts lie on (address translation) cost the time, not
 their bytes.
@@ -80,7 +82,15 @@ def main() -> int:
                           generator=gen) for _ in range(LAYERS)]
     case("Q4_K_R 12800x2560 (same bytes)", "contiguous",
          [lambda w=w: G.gemv(x, w, "Q4_K_R", HIDDEN, out_dtype=torch.bfloat16) for w in flat], glu_bytes)
+    case("Q4_K_R 12800x2560 split 5", "contiguous",
+         [lambda w=w: G.gemv(x, w, "Q4_K_R", HIDDEN, out_dtype=torch.bfloat16, split_k=5) for w in flat], glu_bytes)
     del flat
+    short = [torch.randint(0, 256, (2 * SLOTS * INTER * 5, ROW_BYTES["Q4_K_R"] // 5), dtype=torch.uint8,
+                           device="cuda", generator=gen) for _ in range(LAYERS)]
+    x512 = x[:, :512].contiguous()
+    case("Q4_K_R 64000x512 (same bytes)", "contiguous",
+         [lambda w=w: G.gemv(x512, w, "Q4_K_R", 512, out_dtype=torch.bfloat16) for w in short], glu_bytes)
+    del short
     torch.cuda.empty_cache()
 
     down = stacks("Q5_1_R", HIDDEN, LAYERS, gen)
