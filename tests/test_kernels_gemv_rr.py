@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.test_kernels_gemv import RTOL, G, _rr, random_blocks, zlib_seed
+from strata.errors import StrataError
 from strata.weights import quants, repack
 
 KINDS = {"Q4_K_R": ("Q4_K", repack.reorder_q4_k), "Q8_0_R": ("Q8_0", repack.reorder_q8_0),
@@ -271,3 +272,47 @@ def test_preloaded_k_loop_steps_change_no_bit(kind: str, rr_calls, monkeypatch) 
     assert _rr.preload_steps(kind, 5) == 2 and _rr.preload_steps(kind, 8) == 6
     monkeypatch.setitem(_rr.PRELOAD, f"q8:{kind}", 3)  # launches with Q8 activations: their entries first
     assert _rr.preload_steps(kind, 5, q8x=True) == 3 and _rr.preload_steps(kind, 5) == 2
+
+
+def _tile_launch(kind: str, x, w, ids, up, n: int, k: int, tile: int) -> torch.Tensor:
+    """One row-register launch in the shape `launch_shape` picks, the weights row-major (tile 0) or tile-major."""
+    glu = up is not None
+    slots = 1 if ids is None else ids.shape[0]
+    n_chunks = k // _rr.CHUNK[kind][0]
+    shape = _rr.launch_shape(kind, n_chunks, n // (4 if glu else 8) * slots)
+    shape = (*shape[:3], 1)
+    if tile:
+        tile = shape[0] // 2 if glu else shape[0]
+        w = _rr.tile_major(w, kind, tile, shape[1])
+        up = _rr.tile_major(up, kind, tile, shape[1]) if glu else None
+    out = torch.full((slots, n), float("nan"))
+    ws = w.stride(0) if ids is not None else 0
+    assert G._launch_rr(G.gemv_type(kind), x, w, ids, out, n, k, slots, ws, 0, out.stride(0), up,
+                        up.stride(0) if glu else 0, None, None, shape=shape, tile=tile)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["Q4_K_R", "Q8_0_R"])
+@pytest.mark.parametrize("pre", [1, 2])
+def test_tile_major_weights_change_no_bit(kind: str, pre: int, rr_calls, monkeypatch) -> None:
+    """Weights stored tile-major (`gemv_rr.tile_major`: a program's words of one loop step together) give the
+    row-major launch's bits, plain and as the routed experts' GLU, with one or two steps loaded before the wait;
+    the layout keeps every byte, and a tile that does not divide the rows is refused."""
+    monkeypatch.setitem(_rr.PRELOAD, kind, pre)
+    rng = np.random.default_rng(zlib_seed(kind) + 13)
+    k = 4 * 256
+    w, ref = ggml_rows(kind, 16, k, rng)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(13))
+    plain = _tile_launch(kind, x, w, None, None, 16, k, 0)
+    check(plain[0], x[0].double() @ ref.T, x[0].double().abs() @ ref.abs().T)
+    assert torch.equal(_tile_launch(kind, x, w, None, None, 16, k, 1), plain)
+    gs = torch.stack([ggml_rows(kind, 8, k, rng)[0] for _ in range(2)])
+    us = torch.stack([ggml_rows(kind, 8, k, rng)[0] for _ in range(2)])
+    ids = torch.tensor([1, 0, 1])
+    glu = _tile_launch(kind, x, gs, ids, us, 8, k, 0)
+    assert not torch.isnan(glu).any()
+    assert torch.equal(_tile_launch(kind, x, gs, ids, us, 8, k, 1), glu)
+    t = _rr.tile_major(w, kind, 4, 2)
+    assert not torch.equal(t, w) and torch.equal(t.flatten().sort().values, w.flatten().sort().values)
+    with pytest.raises(StrataError, match="tiles of 3 rows"):
+        _rr.tile_major(w, kind, 3, 1)

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from strata.kernels import gemv as G  # noqa: E402
-from strata.kernels import pdl  # noqa: E402
+from strata.kernels import gemv_rr, pdl  # noqa: E402
 from strata.runtime.bench import copy_bandwidth, git_commit  # noqa: E402
 from tools.gpu_check_gemv import time_graph  # noqa: E402
 
@@ -43,6 +43,23 @@ def stacks(kind: str, rows: int, layers: int, gen: torch.Generator) -> list[torc
     """`layers` expert stacks (EXPERTS, rows, row bytes) of random bytes (the time does not depend on values)."""
     return [torch.randint(0, 256, (EXPERTS, rows, ROW_BYTES[kind]), dtype=torch.uint8, device="cuda", generator=gen)
             for _ in range(layers)]
+
+
+def rows_tiled(x: torch.Tensor, mats: list[torch.Tensor], kind: str, n: int, k: int, case, label: str,
+               nbytes: int) -> None:
+    """The plain launches of `mats` with each matrix stored tile-major (`gemv_rr.tile_major`), in place."""
+    shape = gemv_rr.launch_shape(kind, k // gemv_rr.CHUNK[kind][0], n // 8)
+    shape = gemv_rr.launch_shape(kind, k // gemv_rr.CHUNK[kind][0], n // shape[0])
+    if shape[3] != 1:
+        print(f"{label}: split {shape[3]}, no tile-major case")
+        return
+    for i in range(len(mats)):
+        mats[i] = gemv_rr.tile_major(mats[i], kind, shape[0], shape[1])
+    out = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
+    t = G.gemv_type(kind)
+    case(f"{label} tile-major", "contiguous",
+         [lambda w=w: G._launch_rr(t, x, w, None, out, n, k, 1, 0, 0, 0, None, 0, None, None, shape=shape,
+                                   tile=shape[0]) for w in mats], nbytes)
 
 
 def main() -> int:
@@ -75,6 +92,18 @@ def main() -> int:
     case("Q4_K_R glu 10x640x2560", "spread", [glu(i, rand_ids[i]) for i in range(LAYERS)], glu_bytes)
     case("Q4_K_R glu 10x640x2560", "first10", [glu(i, first10) for i in range(LAYERS)], glu_bytes)
     case("Q4_K_R glu 10x640x2560", "one-stack", [glu(0, rand_ids[0]) for _ in range(LAYERS)], glu_bytes)
+    shape = gemv_rr.launch_shape("Q4_K_R", HIDDEN // 256, INTER // 4 * SLOTS)
+    for i in range(LAYERS):
+        gate[i] = gemv_rr.tile_major(gate[i], "Q4_K_R", shape[0] // 2, shape[1])
+        up[i] = gemv_rr.tile_major(up[i], "Q4_K_R", shape[0] // 2, shape[1])
+    out = torch.empty(SLOTS, INTER, dtype=torch.bfloat16, device="cuda")
+
+    def glu_tiled(layer: int, ids: torch.Tensor):
+        return lambda: G._launch_rr(G.gemv_type("Q4_K_R"), x, gate[layer], ids, out, INTER, HIDDEN, SLOTS,
+                                    gate[layer].stride(0), 0, out.stride(0), up[layer], up[layer].stride(0), None,
+                                    None, shape=shape, tile=shape[0] // 2)
+    case("Q4_K_R glu 10x640x2560 tile-major", "spread", [glu_tiled(i, rand_ids[i]) for i in range(LAYERS)],
+         glu_bytes)
     del gate, up
     torch.cuda.empty_cache()
 
@@ -82,6 +111,7 @@ def main() -> int:
                           generator=gen) for _ in range(LAYERS)]
     case("Q4_K_R 12800x2560 (same bytes)", "contiguous",
          [lambda w=w: G.gemv(x, w, "Q4_K_R", HIDDEN, out_dtype=torch.bfloat16) for w in flat], glu_bytes)
+    rows_tiled(x, flat, "Q4_K_R", 2 * SLOTS * INTER, HIDDEN, case, "Q4_K_R 12800x2560", glu_bytes)
     case("Q4_K_R 12800x2560 split 5", "contiguous",
          [lambda w=w: G.gemv(x, w, "Q4_K_R", HIDDEN, out_dtype=torch.bfloat16, split_k=5) for w in flat], glu_bytes)
     del flat
@@ -91,6 +121,12 @@ def main() -> int:
     case("Q4_K_R 64000x512 (same bytes)", "contiguous",
          [lambda w=w: G.gemv(x512, w, "Q4_K_R", 512, out_dtype=torch.bfloat16) for w in short], glu_bytes)
     del short
+    qkvz = [torch.randint(0, 256, (16480, HIDDEN // 256 * 272), dtype=torch.uint8, device="cuda", generator=gen)
+            for _ in range(LAYERS)]
+    case("Q8_0_R 16480x2560", "contiguous",
+         [lambda w=w: G.gemv(x, w, "Q8_0_R", HIDDEN, out_dtype=torch.bfloat16) for w in qkvz], qkvz[0].numel())
+    rows_tiled(x, qkvz, "Q8_0_R", 16480, HIDDEN, case, "Q8_0_R 16480x2560", qkvz[0].numel())
+    del qkvz
     torch.cuda.empty_cache()
 
     down = stacks("Q5_1_R", HIDDEN, LAYERS, gen)

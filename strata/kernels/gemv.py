@@ -727,11 +727,13 @@ def _launch_rr(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor 
                k: int, slots: int, w_slot_stride: int, x_slot_stride: int, out_slot_stride: int,
                up: torch.Tensor | None, up_slot_stride: int, split_k: int | None,
                slot_weights: torch.Tensor | None, shape: tuple[int, int, int, int] | None = None,
-               ids_settled: bool = False, q8x: bool = False, q_out: tuple[torch.Tensor, int] | None = None) -> bool:
+               ids_settled: bool = False, q8x: bool = False, q_out: tuple[torch.Tensor, int] | None = None,
+               tile: int = 0) -> bool:
     """One launch of the row-register kernel (`gemv_rr`) in its `launch_shape` (or `shape`; `split_k` overrides
     its K split, which is dropped where the row tiles outnumber the ticket counters): True, or False when a slot
     sum cannot have its tickets, for the generic kernel to run instead. q_out = (units, span): where the launch
-    can (`gemv_rr.writes_q8x_out`), it also writes out as Q8 units and records them (`gemv_rr.record_q8x`)."""
+    can (`gemv_rr.writes_q8x_out`), it also writes out as Q8 units and records them (`gemv_rr.record_q8x`).
+    tile: the weights are stored tile-major (`gemv_rr.tile_major`) in tiles of a program's rows of one matrix."""
     n_chunks = k // gemv_rr.CHUNK[t.name][0]
     glu = up is not None
     br = (shape or gemv_rr.launch_shape(t.name, n_chunks))[0]
@@ -761,9 +763,12 @@ def _launch_rr(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor 
             cnt = q_cnt  # a GLU without K split or slot sum takes no other tickets
         else:
             q_out = None
+    if tile and (tile != (br // 2 if glu else br) or split != 1 or n % tile):
+        raise ValueError(f"tile-major weights in tiles of {tile} rows, but the launch takes {br // 2 if glu else br} "
+                         f"rows of {n} per program, K split {split}")
     gemv_rr.launch(t.name, x, w, ids, out, n, k, slots, w_slot_stride, x_slot_stride, out_slot_stride, up,
                    up_slot_stride, (br, sbc, warps, split), _split_sum, part, cnt, slot_weights,
-                   pdl.launch(x.device), ids_early=ids_settled, q8x=q8x, q_out=q_out)
+                   pdl.launch(x.device), ids_early=ids_settled, q8x=q8x, q_out=q_out, tile=tile)
     if q_out is not None:
         gemv_rr.record_q8x(out, *q_out)
     return True

@@ -186,7 +186,7 @@ def _q8_0_r_step_load(wp, g, blk, k, D_STRIDE):
 @triton.jit
 def _q8_0_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr,
                  ASM: tl.constexpr, GDC: tl.constexpr, REL: tl.constexpr = False, XA: tl.constexpr = False,
-                 PRE: tl.constexpr = 1, XQ: tl.constexpr = False):
+                 PRE: tl.constexpr = 1, XQ: tl.constexpr = False, SS: tl.constexpr = 0):
     """`_super_block_rows` for Q8_0_R rows: NCH groups of 256 weights."""
     wp = rp.to(tl.pointer_type(tl.int32))[:, None, None, None]
     s = tl.arange(0, SBC)[None, :, None, None]
@@ -194,10 +194,10 @@ def _q8_0_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, B
     k = tl.arange(0, 4)[None, None, None, :]
     if XQ:
         return _k_loop(wp, xp, s, blk, k, base, D_STRIDE, NCH // SBC, SBC, BR, _q8_0_r_step_load, _q8_0_r_q8x_fma,
-                       ASM, XA, GDC, REL, PRE, 8, 1)
+                       ASM, XA, GDC, REL, PRE, 8, 1, SS)
     else:
         return _k_loop(wp, xp, s, blk, k, base, D_STRIDE, NCH // SBC, SBC, BR, _q8_0_r_step_load, _q8_0_r_fma, ASM,
-                       XA, GDC, REL, PRE, 8)
+                       XA, GDC, REL, PRE, 8, 4, SS)
 
 
 @triton.jit
@@ -437,37 +437,39 @@ def _q5_1_r_q8x_fma(acc, raw, xp, sb, s, blk, k, base, ASM: tl.constexpr, XA: tl
 @triton.jit
 def _super_block_rows(rp, xp, base, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr, ASM: tl.constexpr,
                       GDC: tl.constexpr, Q6: tl.constexpr, REL: tl.constexpr = False, XA: tl.constexpr = False,
-                      PRE: tl.constexpr = 1, XQ: tl.constexpr = False):
+                      PRE: tl.constexpr = 1, XQ: tl.constexpr = False, SS: tl.constexpr = 0):
     """[BR] fp32: the Q4_K_R rows (Q6_K_R with Q6) at byte pointers rp (16-byte aligned) times x at xp ([BR, 1, 1,
-    1] pointers, one x), NCH super-blocks, SBC per loop step (`_k_loop`)."""
+    1] pointers, one x), NCH super-blocks, SBC per loop step (`_k_loop`, SS)."""
     wp = rp.to(tl.pointer_type(tl.int32))[:, None, None, None]
     s = tl.arange(0, SBC)[None, :, None, None]
     c = tl.arange(0, 4)[None, None, :, None]
     k = tl.arange(0, 4)[None, None, None, :]
     if Q6 and XQ:
         return _k_loop(wp, xp, s, c, k, base, 0, NCH // SBC, SBC, BR, _q6_k_r_step_load, _q6_k_r_q8x_fma, ASM, XA,
-                       GDC, REL, PRE, 4, 1)
+                       GDC, REL, PRE, 4, 1, SS)
     elif Q6:
         return _k_loop(wp, xp, s, c, k, base, 0, NCH // SBC, SBC, BR, _q6_k_r_step_load, _q6_k_r_step_fma, ASM, XA,
-                       GDC, REL, PRE)
+                       GDC, REL, PRE, 4, 4, SS)
     elif XQ:
         return _k_loop(wp, xp, s, c, k, base, 0, NCH // SBC, SBC, BR, _q4_k_r_step_load, _q4_k_r_q8x_fma, ASM, XA,
-                       GDC, REL, PRE, 4, 1)
+                       GDC, REL, PRE, 4, 1, SS)
     else:
         return _k_loop(wp, xp, s, c, k, base, 0, NCH // SBC, SBC, BR, _q4_k_r_step_load, _q4_k_r_step_fma, ASM, XA,
-                       GDC, REL, PRE)
+                       GDC, REL, PRE, 4, 4, SS)
 
 
 @triton.jit
 def _k_loop(wp, xp, s, a, k, base, D_STRIDE, NIT: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr,
             LOAD: tl.constexpr, FMA: tl.constexpr, ASM: tl.constexpr, XA: tl.constexpr, GDC: tl.constexpr,
-            REL: tl.constexpr, PRE: tl.constexpr, NA: tl.constexpr = 4, AK: tl.constexpr = 4):
+            REL: tl.constexpr, PRE: tl.constexpr, NA: tl.constexpr = 4, AK: tl.constexpr = 4, SS: tl.constexpr = 0):
     """[BR] fp32: a [BR, SBC, NA, 4] tile's K loop of NIT steps, LOAD(wp, step's groups, a, k, D_STRIDE) giving a
     step's words and FMA(acc, words, xp, first group, s, a, k, base, ASM, XA) adding their products, the next
     step's words loaded before this one's arithmetic. The first PRE steps' words (up to 6) are in flight before
     `pdl.wait(GDC)` (`PRELOAD`); the steps' sums are added in the same order whatever PRE is, so the result is
-    the same. AK: the accumulator's last dimension (4, or 1 where FMA sums the 4 words itself)."""
+    the same. AK: the accumulator's last dimension (4, or 1 where FMA sums the 4 words itself). SS: chunks from one
+    step's words of a row to the next step's (0: SBC, rows stored whole; `TILE`)."""
     tl.static_assert(1 <= PRE and PRE <= 6 and PRE <= NIT, "preloaded steps: 1 .. min(6, loop steps)")
+    LS: tl.constexpr = SS if SS > 0 else SBC
     if PRE == 1:
         nxt = LOAD(wp, s, a, k, D_STRIDE)
         pdl.wait(GDC)
@@ -476,21 +478,21 @@ def _k_loop(wp, xp, s, a, k, base, D_STRIDE, NIT: tl.constexpr, SBC: tl.constexp
         acc = tl.zeros([BR, SBC, NA, AK], tl.float32)
         for it in tl.range(0, NIT):
             cur = nxt
-            nxt = LOAD(wp, tl.minimum(it + 1, NIT - 1) * SBC + s, a, k, D_STRIDE)
+            nxt = LOAD(wp, tl.minimum(it + 1, NIT - 1) * LS + s, a, k, D_STRIDE)
             acc = FMA(acc, cur, xp, it * SBC, s, a, k, base, ASM, XA)
     else:
         c0 = LOAD(wp, s, a, k, D_STRIDE)
-        c1 = LOAD(wp, SBC + s, a, k, D_STRIDE)
-        c2 = LOAD(wp, 2 * SBC + s, a, k, D_STRIDE) if PRE > 2 else c0
-        c3 = LOAD(wp, 3 * SBC + s, a, k, D_STRIDE) if PRE > 3 else c0
-        c4 = LOAD(wp, 4 * SBC + s, a, k, D_STRIDE) if PRE > 4 else c0
-        c5 = LOAD(wp, 5 * SBC + s, a, k, D_STRIDE) if PRE > 5 else c0
+        c1 = LOAD(wp, LS + s, a, k, D_STRIDE)
+        c2 = LOAD(wp, 2 * LS + s, a, k, D_STRIDE) if PRE > 2 else c0
+        c3 = LOAD(wp, 3 * LS + s, a, k, D_STRIDE) if PRE > 3 else c0
+        c4 = LOAD(wp, 4 * LS + s, a, k, D_STRIDE) if PRE > 4 else c0
+        c5 = LOAD(wp, 5 * LS + s, a, k, D_STRIDE) if PRE > 5 else c0
         pdl.wait(GDC)
         if REL:
             pdl.started(GDC)
         acc = tl.zeros([BR, SBC, NA, AK], tl.float32)
         if PRE < NIT:  # the next step's words go out before the preloaded steps' arithmetic
-            nxt = LOAD(wp, PRE * SBC + s, a, k, D_STRIDE)
+            nxt = LOAD(wp, PRE * LS + s, a, k, D_STRIDE)
         acc = FMA(acc, c0, xp, 0, s, a, k, base, ASM, XA)
         acc = FMA(acc, c1, xp, SBC, s, a, k, base, ASM, XA)
         if PRE > 2:
@@ -504,7 +506,7 @@ def _k_loop(wp, xp, s, a, k, base, D_STRIDE, NIT: tl.constexpr, SBC: tl.constexp
         if PRE < NIT:
             for it in tl.range(PRE, NIT):
                 cur = nxt
-                nxt = LOAD(wp, tl.minimum(it + 1, NIT - 1) * SBC + s, a, k, D_STRIDE)
+                nxt = LOAD(wp, tl.minimum(it + 1, NIT - 1) * LS + s, a, k, D_STRIDE)
                 acc = FMA(acc, cur, xp, it * SBC, s, a, k, base, ASM, XA)
     return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
 
@@ -563,7 +565,8 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
                HAS_IDS: tl.constexpr, ASM: tl.constexpr, SPLIT_SUM: tl.constexpr, SPLIT: tl.constexpr = 1,
                SLOT_SUM: tl.constexpr = 0, IDS_EARLY: tl.constexpr = False, RELEASE: tl.constexpr = 0,
                PRE: tl.constexpr = 1, XW: tl.constexpr = False, XQ: tl.constexpr = False, QOUT: tl.constexpr = 0,
-               PROBE: tl.constexpr = False, SM_CAP: tl.constexpr = 0, GDC: tl.constexpr = False):
+               PROBE: tl.constexpr = False, SM_CAP: tl.constexpr = 0, TILE: tl.constexpr = 0,
+               GDC: tl.constexpr = False):
     """out[slot, rows] = W[slot's matrix][rows] . x[slot], or with GLU act(G . x) * (U . x), for one token.
 
     Program (i, slot, s): BR rows of the matrix of `slot` (expert ids[slot] when HAS_IDS), or with GLU BR / 2 rows
@@ -593,7 +596,11 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
     (launches by unsettled ids; else 0), ends its K loop and ends, as one row of probe.
 
     SM_CAP (GPU only, `SM_CAP`): the most programs of this launch one SM may hold, set by the launcher through the
-    shared memory each program reserves; the kernel's code does not change with it."""
+    shared memory each program reserves; the kernel's code does not change with it.
+
+    TILE > 0 (`tile_major`): the matrices are stored in tiles of TILE rows (a program's rows of one matrix), each
+    tile step by step: [N / TILE, loop steps, TILE, SBC chunks], so that a program's words of one step lie
+    together; row strides are then ignored."""
     if PROBE:
         t_start = globaltimer()
     if HAS_IDS and not IDS_EARLY:
@@ -617,11 +624,19 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
     if GLU:
         HB: tl.constexpr = BR // 2
         rows_c = tl.minimum(pid * HB + r % HB, N - 1).to(tl.int64)
-        rp = tl.where(r < HB, g_ptr + mat * g_slot_stride + rows_c * g_row_stride,
-                      u_ptr + mat * u_slot_stride + rows_c * u_row_stride)
     else:
         rows_c = tl.minimum(pid * BR + r, N - 1).to(tl.int64)
-        rp = g_ptr + mat * g_slot_stride + rows_c * g_row_stride
+    if TILE > 0:
+        tl.static_assert(SPLIT == 1 and (KIND == "Q4_K_R" or KIND == "Q8_0_R"), "tile-major: Q4_K_R, Q8_0_R, no split")
+        g_off = (rows_c // TILE) * (TILE * NCH * CHUNK_BYTES) + (rows_c % TILE) * (SBC * CHUNK_BYTES)
+        u_off = g_off
+    else:
+        g_off = rows_c * g_row_stride
+        u_off = rows_c * u_row_stride
+    if GLU:
+        rp = tl.where(r < HB, g_ptr + mat * g_slot_stride + g_off, u_ptr + mat * u_slot_stride + u_off)
+    else:
+        rp = g_ptr + mat * g_slot_stride + g_off
     NC: tl.constexpr = NCH // SPLIT
     rp = tl.multiple_of(rp + part * (NC * CHUNK_BYTES), 16)
     if XQ:  # Q8 activations (`Q8X_UNIT`): int32 words of units of 128 values
@@ -631,10 +646,10 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
         xp = (x_ptr + slot * x_slot_stride + part * (NC * CHUNK_ELEMS) + r * X_ROW_STRIDE)[:, None, None, None]
     if KIND == "Q4_K_R" or KIND == "Q6_K_R":
         res = _super_block_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, NC, SBC, BR, ASM,
-                                GDC and (IDS_EARLY or not HAS_IDS), KIND == "Q6_K_R", REL, XA, PRE, XQ)
+                                GDC and (IDS_EARLY or not HAS_IDS), KIND == "Q6_K_R", REL, XA, PRE, XQ, SBC * TILE)
     elif KIND == "Q8_0_R":
         res = _q8_0_r_rows(rp, xp, tl.full([BR, SBC, 8, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
-                           GDC and (IDS_EARLY or not HAS_IDS), REL, XA, PRE, XQ)
+                           GDC and (IDS_EARLY or not HAS_IDS), REL, XA, PRE, XQ, SBC * TILE)
     else:
         res = _q5_1_r_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
                            GDC and (IDS_EARLY or not HAS_IDS), PRE, REL, XA, XQ)
@@ -744,6 +759,20 @@ def launch_shape(kind: str, n_chunks: int, tiles: int = 1 << 30) -> tuple[int, i
     while tiles * split < SPLIT_MIN_PROGRAMS and n_chunks % (2 * split * sbc) == 0 and n_chunks // (2 * split) >= 4:
         split *= 2
     return br, sbc, warps, split
+
+
+def tile_major(rows: torch.Tensor, kind: str, tile: int, chunks_per_step: int) -> torch.Tensor:
+    """The (..., N, row bytes) stored rows of a row-register type reordered into tiles of `tile` rows, each tile
+    step by step (`_rr_kernel`'s TILE): [..., N / tile, steps, tile, step bytes], the same bytes, so that the words
+    one program loads in one K-loop step are contiguous instead of `tile` pieces a row apart."""
+    n, row_bytes = rows.shape[-2:]
+    step_bytes = chunks_per_step * CHUNK[kind][1]
+    if n % tile or row_bytes % step_bytes:
+        raise StrataError(f"tile-major {kind}: {n} rows of {row_bytes} bytes do not split into tiles of {tile} rows "
+                          f"and steps of {step_bytes} bytes")
+    lead = rows.shape[:-2]
+    t = rows.reshape(*lead, n // tile, tile, row_bytes // step_bytes, step_bytes)
+    return t.transpose(-3, -2).contiguous().reshape(rows.shape)
 
 
 AFTER_LOOP, AT_WAIT, FIRST = 0, 1, 2
@@ -884,7 +913,8 @@ def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None
            k: int, slots: int, w_slot_stride: int, x_slot_stride: int, out_slot_stride: int,
            up: torch.Tensor | None, up_slot_stride: int, shape: tuple[int, int, int, int], split_sum,
            part: torch.Tensor, cnt: torch.Tensor, slot_weights: torch.Tensor | None, gdc: dict,
-           ids_early: bool = False, q8x: bool = False, q_out: tuple[torch.Tensor, int] | None = None) -> None:
+           ids_early: bool = False, q8x: bool = False, q_out: tuple[torch.Tensor, int] | None = None,
+           tile: int = 0) -> None:
     """One launch over `slots` matrices (by `ids` when given) of n rows of k weights, in `shape`
     (`launch_shape`); `up` makes it the GLU (w is then the gate); `slot_weights` sums the slots into out's one row.
     Strides in elements of each tensor (bytes for the weights). The caller (`gemv._launch`) checked `covers`
@@ -914,8 +944,8 @@ def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None
         GLU=glu, HAS_IDS=ids is not None, ASM=x.device.type == "cuda", SPLIT_SUM=split_sum, SPLIT=split,
         SLOT_SUM=slots if slot_weights is not None else 0, IDS_EARLY=ids_early and ids is not None,
         RELEASE=RELEASE[cls], PRE=preload_steps(kind, k // CHUNK[kind][0] // (split * sbc), q8x), XW=WIDEN_X_ASM,
-        XQ=q8x, QOUT=q_out[1] if q_out is not None else 0, PROBE=rows is not None, SM_CAP=cap, num_warps=warps,
-        **gdc)
+        XQ=q8x, QOUT=q_out[1] if q_out is not None else 0, PROBE=rows is not None, SM_CAP=cap, TILE=tile,
+        num_warps=warps, **gdc)
     if cap:
         reserve_shared(compiled, cap, x.device)
 
