@@ -10,8 +10,10 @@ from pathlib import Path
 os.environ["TRITON_INTERPRET"] = "1"  # as the kernel tests: no kernel runs here, but Triton may be imported first
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from strata.kernels import attention, experts_gemm, gdn, gemv_q8x, gemv_rr, hyper, pdl  # noqa: E402
+from strata.kernels import gemv as kernel_gemv  # noqa: E402
 from strata.kernels import ops as kernel_ops  # noqa: E402
 from strata.runtime import graph  # noqa: E402
 
@@ -23,7 +25,7 @@ _spec.loader.exec_module(sv)
 # every form of the module's docstring that needs no CUDA device to parse (hc:I reads the SM count)
 VARIANTS = ["base", "select:removed", "select:radix", "route:removed", "release:after-loop", "gdn:16",
             "preload:Q4_K_R:3", "preload:Q8_0_R/6:2", "preload:q8:Q8_0_R/6:3", "preload:q8:Q4_K_R:5",
-            "gemv-type:Q8_0:4,2,1", "ids-early:off", "select:ranked:8:1024", "attend:64:32", "hc-up:8", "sm-cap:ids:13",
+            "gemv-type:Q8_0:4,2,1", "ids-early:off", "select:ranked:8:1024", "attend:64:32", "hc-up:8", "sm-cap:ids:13", "tile-major:glu",
             "sm-cap:ids:13+sm-cap:settled-ids:25",
             "release-plain:0", "release-settled:1", "release-rows:2560:1", "late:hc_up:1", "streams:off",
             "shared:removed", "argmax:torch", "norm-ropes:split", "activations:q8", "q8-units:off",
@@ -36,7 +38,8 @@ def _knobs() -> tuple:
             gemv_rr.launch_shape, gemv_rr.launch, hyper.hc_read_defaults, dict(sv.PREFILL), gdn.gdn_step,
             attention.select_blocks_ranked, attention.RANK_SELECT_MAX_BLOCKS, attention.attend, gemv_q8x.quantize,
             kernel_ops.SETTLED_IDS, kernel_ops.GEMM_MIN_TOKENS, kernel_ops.Q8_UNITS_FROM_GLU, graph.greedy_token,
-            (experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS), dict(gemv_rr.SM_CAP))
+            (experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS), dict(gemv_rr.SM_CAP),
+            kernel_gemv._launch_rr)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -73,3 +76,24 @@ def test_sm_cap_variant_sets_its_class() -> None:
     assert gemv_rr.SM_CAP == {"ids": 13, "settled-ids": 25}
     sv.apply("base")
     assert gemv_rr.SM_CAP == {}
+
+
+def test_tile_major_variant_relays_the_glu_stacks_and_back(monkeypatch) -> None:
+    """`tile-major:glu` re-lays the routed Q4_K_R gate/up stacks tile-major in place (other tensors untouched) and
+    `base` restores every byte."""
+    gen = torch.Generator().manual_seed(3)
+    stacks = {n: torch.randint(0, 256, (2, 8, 1440), dtype=torch.uint8, generator=gen)
+              for n in ("l0.gate_exps", "l0.up_exps", "l0.down_exps")}
+    before = {n: t.clone() for n, t in stacks.items()}
+    kinds = {"l0.gate_exps": "Q4_K_R", "l0.up_exps": "Q4_K_R", "l0.down_exps": "Q5_1_R"}
+    monkeypatch.setattr(kernel_ops, "stored_rows", lambda t: (stacks[t], kinds[t]))
+    monkeypatch.setitem(sv.WEIGHTS, "w", type("W", (), {"tensors": {n: n for n in stacks}})())
+    try:
+        sv.apply("tile-major:glu")
+        assert kernel_gemv._launch_rr is sv._tiled_glu_launch
+        for n in ("l0.gate_exps", "l0.up_exps"):
+            assert torch.equal(stacks[n], gemv_rr.tile_major(before[n], "Q4_K_R", 4, 2))
+        assert torch.equal(stacks["l0.down_exps"], before["l0.down_exps"])
+    finally:
+        sv.apply("base")
+    assert all(torch.equal(stacks[n], before[n]) for n in stacks)

@@ -63,6 +63,8 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   prefill-chunk:N            the prefill of --prefill-tokens in chunks of N tokens (512: `Engine.prefill`'s)
   sm-cap:CLASS:N              row-register launches of CLASS (plain, ids, settled-ids) hold at most N programs per
                              SM, by the shared memory each program reserves (`gemv_rr.SM_CAP`)
+  tile-major:glu             the routed experts' Q4_K_R gate/up stacks stored tile-major (`gemv_rr.tile_major`: a
+                             program's words of one K-loop step together) and their GLU launched so
   shape:KIND:NCH:LO:HI:BR,SBC,WARPS,SPLIT
                              row-register launches of KIND over NCH chunks with LO <= row tiles < HI in this
                              launch shape (`gemv_rr.launch_shape`)
@@ -100,7 +102,8 @@ BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attent
         "gdn_step": gdn.gdn_step, "PRELOAD": dict(gemv_rr.PRELOAD),
         "GEMV_TYPE_NAMES": dict(kernel_gemv.GEMV_TYPE_NAMES), "greedy_token": graph.greedy_token,
         "GEMM_MIN_TOKENS": kernel_ops.GEMM_MIN_TOKENS,
-        "GEMM_SHAPE": (experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS), "quantize": gemv_q8x.quantize}
+        "GEMM_SHAPE": (experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS), "quantize": gemv_q8x.quantize,
+        "launch_rr": kernel_gemv._launch_rr}
 
 
 Q8_UNIT_WRITERS = ("hc_read", "hc_write_read", "gdn_core", "attend")  # op entries that write Q8 units in the q8 mode
@@ -164,6 +167,37 @@ def _prompt_logits(model: Model, tokens: int, chunk: int) -> torch.Tensor:
     return bench.prefill_chunks(model, ids, model.new_state(capacity=tokens + 8), chunk).float().cpu()
 
 
+WEIGHTS: dict = {}  # the synthetic model's weights (main), which `tile-major:glu` re-lays in place
+TILED = {"glu": False}
+
+
+def _relay_glu_stacks(tiled: bool) -> None:
+    """The routed gate/up Q4_K_R stacks of WEIGHTS to tile-major (tiles of 4 rows, 2 super-blocks a step: the
+    GLU's launch shape at the real geometry) or back, in place."""
+    if TILED["glu"] == tiled:
+        return
+    w = WEIGHTS.get("w")
+    for name, t in (w.tensors.items() if w is not None else ()):
+        raw = kernel_ops.stored_rows(t) if name.endswith(("gate_exps", "up_exps")) else None
+        if raw is None or raw[1] != "Q4_K_R":
+            continue
+        data = raw[0]
+        if tiled:
+            data.copy_(gemv_rr.tile_major(data, "Q4_K_R", 4, 2))
+        else:
+            e, n, rb = data.shape
+            data.copy_(data.reshape(e, n // 4, rb // 288, 4, 288).transpose(-3, -2).reshape(e, n, rb))
+    TILED["glu"] = tiled
+
+
+def _tiled_glu_launch(t, x, w, ids, out, n, k, slots, *a, **kw):
+    """`gemv._launch_rr`, with tile-major weights for the routed Q4_K_R GLU."""
+    up = a[3]
+    if t.name == "Q4_K_R" and up is not None and ids is not None:
+        kw["tile"] = 4
+    return BASE["launch_rr"](t, x, w, ids, out, n, k, slots, *a, **kw)
+
+
 def _variant_model(w, dev: torch.device, variant: str) -> Model:
     """The bf16 model on `w` with `variant`'s patches applied and its op swaps in the fast op table."""
     return Model(w, torch.bfloat16, dev, dataclasses.replace(fast_ops(streams=True), **apply(variant)))
@@ -193,6 +227,9 @@ def apply(variant: str) -> dict:
     gemv_rr.PRELOAD.clear()
     gemv_rr.PRELOAD.update(BASE["PRELOAD"])
     gemv_rr.SM_CAP.clear()
+    kernel_gemv._launch_rr = BASE["launch_rr"]
+    tile_glu = "tile-major:glu" in variant.split("+")
+    _relay_glu_stacks(tile_glu)
     for t in BASE["GEMV_TYPE_NAMES"].values():
         kernel_gemv.GEMV_TYPE_NAMES[t.name] = kernel_gemv.GEMV_TYPES[t.type_id] = t
     swaps = {}
@@ -268,6 +305,8 @@ def _apply_one(variant: str) -> dict:
                                            torch.cuda.get_device_properties(0).multi_processor_count)[int(args[0])])
         knobs.pop("finish_in_down", None)
         hyper.hc_read_defaults = lambda *a: dict(knobs)
+    elif name == "tile-major" and args == ["glu"]:
+        kernel_gemv._launch_rr = _tiled_glu_launch
     elif name == "sm-cap" and len(args) == 2 and args[0] in gemv_rr.RELEASE:
         gemv_rr.SM_CAP[args[0]] = int(args[1])
     elif name == "hc-up" and len(args) == 1:
@@ -293,6 +332,7 @@ def main() -> int:
     pdl.set_enabled(True)
     bw = bench.copy_bandwidth(dev)
     w = gpu_layout(synthetic_weights(real_config(), TypeMix(), dev), inplace=True, dtype=torch.bfloat16)
+    WEIGHTS["w"] = w
     floor_ms = bench.token_bytes(w, args.context)["total"] / bw * 1e3
     report = {"commit": args.commit or bench.git_commit(), "gpu": torch.cuda.get_device_name(dev),
               "context": args.context, "floor_ms": floor_ms, "rows": []}
