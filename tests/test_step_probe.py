@@ -81,26 +81,3 @@ def test_sm_stats_slope_of_span_over_programs() -> None:
     rows[:, 4] = 4_000
     st = sp.sm_stats(rows, rows[:, 1])
     assert "us_per_program" not in st and st["sm_span_max"] == pytest.approx(4.0)
-
-
-class _Compiled:
-    def __init__(self, packed, shared):
-        self.packed_metadata = packed
-        self.metadata = type("M", (), {"shared": shared})()
-
-
-def test_sm_cap_reserves_a_share_of_the_sm(monkeypatch) -> None:
-    """`gemv_rr.reserve_shared` sets the launch's shared memory so that `cap` programs fill an SM (less the
-    hardware's 1 KB per program), keeps the rest of the metadata, is idempotent, and refuses metadata it cannot
-    read or a reservation beyond a program's limit."""
-    props = type("P", (), {"shared_memory_per_multiprocessor": 233472, "shared_memory_per_block": 49152})()
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
-    k = _Compiled((2, 1, 512, 1, 1, 1), 512)
-    gemv_rr.reserve_shared(k, 13, "cuda")
-    assert k.packed_metadata == (2, 1, 233472 // 13 - 1024, 1, 1, 1)
-    gemv_rr.reserve_shared(k, 13, "cuda")
-    assert k.packed_metadata[2] == 233472 // 13 - 1024
-    with pytest.raises(StrataError, match="exceed"):
-        gemv_rr.reserve_shared(_Compiled((2, 1, 0), 0), 4, "cuda")
-    with pytest.raises(StrataError, match="launch metadata"):
-        gemv_rr.reserve_shared(_Compiled((2, 1, 7), 0), 13, "cuda")

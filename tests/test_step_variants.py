@@ -25,8 +25,7 @@ _spec.loader.exec_module(sv)
 # every form of the module's docstring that needs no CUDA device to parse (hc:I reads the SM count)
 VARIANTS = ["base", "select:removed", "select:radix", "route:removed", "release:after-loop", "gdn:16",
             "preload:Q4_K_R:3", "preload:Q8_0_R/6:2", "preload:q8:Q8_0_R/6:3", "preload:q8:Q4_K_R:5",
-            "gemv-type:Q8_0:4,2,1", "ids-early:off", "select:ranked:8:1024", "attend:64:32", "hc-up:8", "sm-cap:ids:13", "tile-major:glu",
-            "sm-cap:ids:13+sm-cap:settled-ids:25",
+            "gemv-type:Q8_0:4,2,1", "ids-early:off", "select:ranked:8:1024", "attend:64:32", "hc-up:8", "tile-major:glu",
             "release-plain:0", "release-settled:1", "release-rows:2560:1", "late:hc_up:1", "streams:off",
             "shared:removed", "argmax:torch", "norm-ropes:split", "activations:q8", "q8-units:off",
             "quantize:removed", "x-widen:0", "experts-gemm:0", "experts-gemm-shape:32,8", "prefill-chunk:1024",
@@ -38,8 +37,7 @@ def _knobs() -> tuple:
             gemv_rr.launch_shape, gemv_rr.launch, hyper.hc_read_defaults, dict(sv.PREFILL), gdn.gdn_step,
             attention.select_blocks_ranked, attention.RANK_SELECT_MAX_BLOCKS, attention.attend, gemv_q8x.quantize,
             kernel_ops.SETTLED_IDS, kernel_ops.GEMM_MIN_TOKENS, kernel_ops.Q8_UNITS_FROM_GLU, graph.greedy_token,
-            (experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS), dict(gemv_rr.SM_CAP),
-            kernel_gemv._launch_rr)
+            (experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS), kernel_gemv._launch_rr)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -69,13 +67,6 @@ def test_unknown_variant_is_refused(variant: str) -> None:
     with pytest.raises(SystemExit, match="unknown variant"):
         sv.apply(variant)
     sv.apply("base")
-
-
-def test_sm_cap_variant_sets_its_class() -> None:
-    sv.apply("sm-cap:ids:13+sm-cap:settled-ids:25")
-    assert gemv_rr.SM_CAP == {"ids": 13, "settled-ids": 25}
-    sv.apply("base")
-    assert gemv_rr.SM_CAP == {}
 
 
 def test_tile_major_variant_relays_the_glu_stacks_and_back(monkeypatch) -> None:

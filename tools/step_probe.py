@@ -100,8 +100,6 @@ def main() -> int:
     ap.add_argument("--classes", default="ids,settled-ids", help="launch classes to probe (ids, settled-ids, plain)")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--activations", choices=("float", "q8"), default="float")
-    ap.add_argument("--sm-cap", action="append", default=[], metavar="CLASS:N",
-                    help="hold launches of CLASS to N programs per SM (`gemv_rr.SM_CAP`; repeatable)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=None, help="commit id to record (default: git rev-parse HEAD)")
     args = ap.parse_args()
@@ -109,11 +107,6 @@ def main() -> int:
     unknown = set(classes) - set(gemv_rr.RELEASE)
     if unknown:
         raise SystemExit(f"unknown launch classes {sorted(unknown)}; known: {sorted(gemv_rr.RELEASE)}")
-    for spec in args.sm_cap:
-        cls, _, n = spec.partition(":")
-        if cls not in gemv_rr.RELEASE or not n.isdigit():
-            raise SystemExit(f"--sm-cap {spec!r}: expected CLASS:N with CLASS one of {sorted(gemv_rr.RELEASE)}")
-        gemv_rr.SM_CAP[cls] = int(n)
     dev = torch.device("cuda")
     pdl.set_enabled(True)
     w = gpu_layout(synthetic_weights(real_config(), TypeMix(), dev), inplace=True, dtype=torch.bfloat16)
@@ -164,8 +157,7 @@ def main() -> int:
         for label, s in summary.items():
             print(f"{label:<34}{s['launches']:>3}" + "".join(f"{s.get(c, float('nan')):>15.2f}" for c in cols))
     report = {"commit": args.commit or bench.git_commit(), "gpu": torch.cuda.get_device_name(dev),
-              "context": args.context, "activations": args.activations, "classes": classes,
-              "sm_cap": dict(gemv_rr.SM_CAP), "replay_ms": replay_ms,
+              "context": args.context, "activations": args.activations, "classes": classes, "replay_ms": replay_ms,
               "summary": summary, "launches": {k: v for k, v in per_label.items()}}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))

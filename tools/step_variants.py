@@ -61,8 +61,6 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   experts-gemm-shape:BN,W    the grouped expert GEMM with BN weight rows per program over W warps
                              (`experts_gemm.BLOCK_N`, `NUM_WARPS`)
   prefill-chunk:N            the prefill of --prefill-tokens in chunks of N tokens (512: `Engine.prefill`'s)
-  sm-cap:CLASS:N              row-register launches of CLASS (plain, ids, settled-ids) hold at most N programs per
-                             SM, by the shared memory each program reserves (`gemv_rr.SM_CAP`)
   tile-major:glu             the routed experts' Q4_K_R gate/up stacks stored tile-major (`gemv_rr.tile_major`: a
                              program's words of one K-loop step together) and their GLU launched so
   shape:KIND:NCH:LO:HI:BR,SBC,WARPS,SPLIT
@@ -226,7 +224,6 @@ def apply(variant: str) -> dict:
     experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS = BASE["GEMM_SHAPE"]
     gemv_rr.PRELOAD.clear()
     gemv_rr.PRELOAD.update(BASE["PRELOAD"])
-    gemv_rr.SM_CAP.clear()
     kernel_gemv._launch_rr = BASE["launch_rr"]
     tile_glu = "tile-major:glu" in variant.split("+")
     _relay_glu_stacks(tile_glu)
@@ -307,8 +304,6 @@ def _apply_one(variant: str) -> dict:
         hyper.hc_read_defaults = lambda *a: dict(knobs)
     elif name == "tile-major" and args == ["glu"]:
         kernel_gemv._launch_rr = _tiled_glu_launch
-    elif name == "sm-cap" and len(args) == 2 and args[0] in gemv_rr.RELEASE:
-        gemv_rr.SM_CAP[args[0]] = int(args[1])
     elif name == "hc-up" and len(args) == 1:
         hyper.hc_read_defaults = functools.partial(BASE["hc_read_defaults"], block_h=int(args[0]))
     elif name == "shape" and len(args) == 5:

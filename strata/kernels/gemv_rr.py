@@ -565,8 +565,7 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
                HAS_IDS: tl.constexpr, ASM: tl.constexpr, SPLIT_SUM: tl.constexpr, SPLIT: tl.constexpr = 1,
                SLOT_SUM: tl.constexpr = 0, IDS_EARLY: tl.constexpr = False, RELEASE: tl.constexpr = 0,
                PRE: tl.constexpr = 1, XW: tl.constexpr = False, XQ: tl.constexpr = False, QOUT: tl.constexpr = 0,
-               PROBE: tl.constexpr = False, SM_CAP: tl.constexpr = 0, TILE: tl.constexpr = 0,
-               GDC: tl.constexpr = False):
+               PROBE: tl.constexpr = False, TILE: tl.constexpr = 0, GDC: tl.constexpr = False):
     """out[slot, rows] = W[slot's matrix][rows] . x[slot], or with GLU act(G . x) * (U . x), for one token.
 
     Program (i, slot, s): BR rows of the matrix of `slot` (expert ids[slot] when HAS_IDS), or with GLU BR / 2 rows
@@ -594,9 +593,6 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
 
     PROBE (GPU only, `Probe`): the program stores its SM and the global timer when it starts, passes its PDL wait
     (launches by unsettled ids; else 0), ends its K loop and ends, as one row of probe.
-
-    SM_CAP (GPU only, `SM_CAP`): the most programs of this launch one SM may hold, set by the launcher through the
-    shared memory each program reserves; the kernel's code does not change with it.
 
     TILE > 0 (`tile_major`): the matrices are stored in tiles of TILE rows (a program's rows of one matrix), each
     tile step by step: [N / TILE, loop steps, TILE, SBC chunks], so that a program's words of one step lie
@@ -862,36 +858,6 @@ without it."""
 MAX_PRELOAD = 6
 """The most loop steps a launch can load before its wait (`_k_loop`)."""
 
-SM_CAP: dict[str, int] = {}
-"""An experiment (`tools/step_variants.py sm-cap:CLASS:N`): launch classes (as `RELEASE`) whose programs are held
-to at most N per SM. With PDL a launch's programs are placed while the kernels before it still hold SMs, so they
-pile onto the SMs that have room (the probe saw 1,280 one-warp programs on 48 of 132 SMs); a program that reserves
-1 / N of an SM's shared memory leaves room for no more than N of its launch on one SM. Empty: no reservation."""
-
-_SHARED_RESERVED_PER_PROGRAM = 1024  # bytes the hardware keeps per resident program on sm_80 and later
-
-
-def reserve_shared(compiled, cap: int, device: torch.device) -> None:
-    """Make every later launch of `compiled` (a Triton CompiledKernel) reserve shared memory so that at most `cap`
-    of its programs fit on one SM (`SM_CAP`). The reservation is the launch's dynamic shared memory (Triton's
-    packed launch metadata); refuses a Triton whose metadata it cannot read rather than launch something else."""
-    props = torch.cuda.get_device_properties(device)
-    per_sm = props.shared_memory_per_multiprocessor
-    per_block = getattr(props, "shared_memory_per_block", 48 * 1024)
-    want = per_sm // cap - _SHARED_RESERVED_PER_PROGRAM
-    pm = compiled.packed_metadata
-    own = compiled.metadata.shared
-    if not isinstance(pm, tuple) or len(pm) < 3 or pm[2] not in (own, getattr(compiled, "_strata_shared", -1)):
-        raise StrataError(f"SM_CAP: this Triton's launch metadata {pm!r} does not hold the shared memory size "
-                          f"({own}) where expected")
-    size = max(own, want)
-    if size > per_block:
-        raise StrataError(f"SM_CAP {cap}: {size} bytes of shared memory per program exceed the {per_block} a "
-                          f"program may take without opting in")
-    compiled.packed_metadata = (*pm[:2], size, *pm[3:])
-    compiled._strata_shared = size
-
-
 SPLIT_MIN_PROGRAMS = 2048
 """Programs below which `launch_shape` splits K (in halves, while each part keeps 4 chunks or more)."""
 
@@ -933,8 +899,7 @@ def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None
     cls = "plain" if ids is None else "settled-ids" if ids_early else "ids"
     probe = PROBE.get(cls)
     rows = probe.region(f"{kind}{' glu' if glu else ''} {n}x{k}", cls, grid) if probe is not None else None
-    cap = SM_CAP.get(cls, 0) if x.device.type == "cuda" else 0
-    compiled = _rr_kernel[grid](
+    _rr_kernel[grid](
         x, w, u, ids if ids is not None else w, out, part, cnt, slot_weights if slot_weights is not None else out,
         q_out[0] if q_out is not None else out, rows if rows is not None else out, n, w.stride(-2), u.stride(-2),
         w_slot_stride,
@@ -944,10 +909,8 @@ def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None
         GLU=glu, HAS_IDS=ids is not None, ASM=x.device.type == "cuda", SPLIT_SUM=split_sum, SPLIT=split,
         SLOT_SUM=slots if slot_weights is not None else 0, IDS_EARLY=ids_early and ids is not None,
         RELEASE=RELEASE[cls], PRE=preload_steps(kind, k // CHUNK[kind][0] // (split * sbc), q8x), XW=WIDEN_X_ASM,
-        XQ=q8x, QOUT=q_out[1] if q_out is not None else 0, PROBE=rows is not None, SM_CAP=cap, TILE=tile,
+        XQ=q8x, QOUT=q_out[1] if q_out is not None else 0, PROBE=rows is not None, TILE=tile,
         num_warps=warps, **gdc)
-    if cap:
-        reserve_shared(compiled, cap, x.device)
 
 
 def writes_q8x_out(glu: bool, n: int, slots: int, shape: tuple[int, int, int, int], summed: bool,
