@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# What the session of 2026-12-06 built and has not yet measured on a CUDA machine (the device box), in one run:
-# the routed-expert launches alone by where their experts lie, and row-register launches with their weights
-# stored tile-major (a program's words of one K-loop step together: tools/moe_lab.py), then the routed GLU's
-# stacks tile-major in the 4K step (tools/step_variants.py tile-major:glu). Writes JSON under OUT (default
-# ./device-out), named as bench/results names them. ~2 minutes on an H100.
+# What the session of 2026-12-06 measured on H100s only, for an H200 (the target's card), in one run: the
+# routed-expert launches alone by where their experts lie, and row-register launches with their weights stored
+# tile-major (a program's words of one K-loop step together: tools/moe_lab.py), then the routed GLU's stacks
+# tile-major in the 4K step (tools/step_variants.py tile-major:glu). Writes JSON under OUT (default ./device-out),
+# named as bench/results names them. ~2 minutes on an H100.
 #
 #   tools/device_next.sh COMMIT
 set -uo pipefail  # no -e: a failed step is reported and the next one still runs
