@@ -292,7 +292,7 @@ def _tile_launch(kind: str, x, w, ids, up, n: int, k: int, tile: int) -> torch.T
     return out
 
 
-@pytest.mark.parametrize("kind", ["Q4_K_R", "Q8_0_R"])
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("pre", [1, 2])
 def test_tile_major_weights_change_no_bit(kind: str, pre: int, rr_calls, monkeypatch) -> None:
     """Weights stored tile-major (`gemv_rr.tile_major`: a program's words of one loop step together) give the
@@ -300,7 +300,7 @@ def test_tile_major_weights_change_no_bit(kind: str, pre: int, rr_calls, monkeyp
     the layout keeps every byte, and a tile that does not divide the rows is refused."""
     monkeypatch.setitem(_rr.PRELOAD, kind, pre)
     rng = np.random.default_rng(zlib_seed(kind) + 13)
-    k = 4 * 256
+    k = 4 * _rr.CHUNK[kind][0] if kind == "Q5_1_R" else 4 * 256
     w, ref = ggml_rows(kind, 16, k, rng)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(13))
     plain = _tile_launch(kind, x, w, None, None, 16, k, 0)

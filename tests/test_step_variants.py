@@ -25,7 +25,8 @@ _spec.loader.exec_module(sv)
 # every form of the module's docstring that needs no CUDA device to parse (hc:I reads the SM count)
 VARIANTS = ["base", "select:removed", "select:radix", "route:removed", "release:after-loop", "gdn:16",
             "preload:Q4_K_R:3", "preload:Q8_0_R/6:2", "preload:q8:Q8_0_R/6:3", "preload:q8:Q4_K_R:5",
-            "gemv-type:Q8_0:4,2,1", "ids-early:off", "select:ranked:8:1024", "attend:64:32", "hc-up:8", "tile-major:glu",
+            "gemv-type:Q8_0:4,2,1", "ids-early:off", "select:ranked:8:1024", "attend:64:32", "hc-up:8",
+            "tile-major:glu",
             "release-plain:0", "release-settled:1", "release-rows:2560:1", "late:hc_up:1", "streams:off",
             "shared:removed", "argmax:torch", "norm-ropes:split", "activations:q8", "q8-units:off",
             "quantize:removed", "x-widen:0", "experts-gemm:0", "experts-gemm-shape:32,8", "prefill-chunk:1024",

@@ -14,7 +14,9 @@ the GLU (Q4_K_R gate/up, 10 slots of 640 x 2560) and the down projections with t
   rows of 512).
 
 If `spread` is much slower than `first10`, the pages the experts lie on (address translation) cost the time, not
-their bytes.
+their bytes. Each kind of launch is also timed with its weights tile-major (`gemv_rr.tile_major`: a program's words
+of one K-loop step together): the GLU, the down projections, the 12800 x 2560 and 16480 x 2560 GEMVs and the
+Q6_K_R head (248320 x 2560, two copies alternating).
 
     python tools/moe_lab.py --out moe-lab.json
 """
@@ -137,6 +139,25 @@ def main() -> int:
     case("Q5_1_R down+sum 10x2560x640", "spread", [dsum(i, rand_ids[i]) for i in range(LAYERS)], down_bytes)
     case("Q5_1_R down+sum 10x2560x640", "first10", [dsum(i, first10) for i in range(LAYERS)], down_bytes)
     case("Q5_1_R down+sum 10x2560x640", "one-stack", [dsum(0, rand_ids[0]) for _ in range(LAYERS)], down_bytes)
+    dshape = gemv_rr.launch_shape("Q5_1_R", INTER // 128, HIDDEN // 8 * SLOTS)
+    if dshape[3] == 1:
+        for i in range(LAYERS):
+            down[i] = gemv_rr.tile_major(down[i], "Q5_1_R", dshape[0], dshape[1])
+        dout = torch.empty(1, HIDDEN, dtype=torch.bfloat16, device="cuda")
+
+        def dsum_tiled(layer: int, ids: torch.Tensor):
+            return lambda: G._launch_rr(G.gemv_type("Q5_1_R"), xs, down[layer], ids, dout, HIDDEN, INTER, SLOTS,
+                                        down[layer].stride(0), xs.stride(0), 0, None, 0, None, sw, shape=dshape,
+                                        tile=dshape[0])
+        case("Q5_1_R down+sum 10x2560x640 tile-major", "spread", [dsum_tiled(i, rand_ids[i]) for i in range(LAYERS)],
+             down_bytes)
+    del down
+    torch.cuda.empty_cache()
+    head = [torch.randint(0, 256, (248320, HIDDEN // 256 * 224), dtype=torch.uint8, device="cuda", generator=gen)
+            for _ in range(2)]
+    calls = [lambda w=w: G.gemv(x, w, "Q6_K_R", HIDDEN, out_dtype=torch.bfloat16) for w in head] * 4
+    case("Q6_K_R 248320x2560 (head)", "contiguous", calls, head[0].numel())
+    rows_tiled(x, head * 4, "Q6_K_R", 248320, HIDDEN, case, "Q6_K_R 248320x2560 (head)", head[0].numel())
     report = {"commit": args.commit or git_commit(), "gpu": torch.cuda.get_device_name(dev),
               "copy_bandwidth_bytes_per_s": bw, "layers": LAYERS, "experts": EXPERTS, "slots": SLOTS, "rows": rows}
     if args.out:

@@ -227,7 +227,7 @@ def _q5_1_r_fma(acc, raw, xp, sb, s, blk, k, base, ASM: tl.constexpr, XA: tl.con
 @triton.jit
 def _q5_1_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr,
                  ASM: tl.constexpr, GDC: tl.constexpr, PRE: tl.constexpr = 1, REL: tl.constexpr = False,
-                 XA: tl.constexpr = False, XQ: tl.constexpr = False):
+                 XA: tl.constexpr = False, XQ: tl.constexpr = False, SS: tl.constexpr = 0):
     """`_super_block_rows` for Q5_1_R rows: NCH groups of 128 weights (four blocks; a thread takes one block's 16 nibble
     bytes). The fifth bits land on bit 4 of each byte by one shift and one masked OR (`repack.py` placed them),
     and w = d q + m = fma(0.5 + q / 256, 256 d, m - 128 d). The first PRE loop steps' words (up to 6) are in
@@ -238,10 +238,10 @@ def _q5_1_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, B
     k = tl.arange(0, 4)[None, None, None, :]
     if XQ:
         return _k_loop(wp, xp, s, blk, k, base, D_STRIDE, NCH // SBC, SBC, BR, _q5_1_r_load, _q5_1_r_q8x_fma, ASM,
-                       XA, GDC, REL, PRE, 4, 1)
+                       XA, GDC, REL, PRE, 4, 1, SS)
     else:
         return _k_loop(wp, xp, s, blk, k, base, D_STRIDE, NCH // SBC, SBC, BR, _q5_1_r_load, _q5_1_r_fma, ASM, XA,
-                       GDC, REL, PRE)
+                       GDC, REL, PRE, 4, 4, SS)
 
 
 @triton.jit
@@ -623,7 +623,7 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
     else:
         rows_c = tl.minimum(pid * BR + r, N - 1).to(tl.int64)
     if TILE > 0:
-        tl.static_assert(SPLIT == 1 and (KIND == "Q4_K_R" or KIND == "Q8_0_R"), "tile-major: Q4_K_R, Q8_0_R, no split")
+        tl.static_assert(SPLIT == 1, "tile-major weights: no K split")
         g_off = (rows_c // TILE) * (TILE * NCH * CHUNK_BYTES) + (rows_c % TILE) * (SBC * CHUNK_BYTES)
         u_off = g_off
     else:
@@ -648,7 +648,7 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
                            GDC and (IDS_EARLY or not HAS_IDS), REL, XA, PRE, XQ, SBC * TILE)
     else:
         res = _q5_1_r_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
-                           GDC and (IDS_EARLY or not HAS_IDS), PRE, REL, XA, XQ)
+                           GDC and (IDS_EARLY or not HAS_IDS), PRE, REL, XA, XQ, SBC * TILE)
     if RELEASE == 0:
         pdl.started(GDC)
     if PROBE:
