@@ -26,7 +26,7 @@ _spec.loader.exec_module(sv)
 VARIANTS = ["base", "select:removed", "select:radix", "route:removed", "release:after-loop", "gdn:16",
             "preload:Q4_K_R:3", "preload:Q8_0_R/6:2", "preload:q8:Q8_0_R/6:3", "preload:q8:Q4_K_R:5",
             "gemv-type:Q8_0:4,2,1", "ids-early:off", "select:ranked:8:1024", "attend:64:32", "hc-up:8",
-            "tile-major:glu",
+            "tile-major:glu", "tile-major:down+tile-major:head",
             "release-plain:0", "release-settled:1", "release-rows:2560:1", "late:hc_up:1", "streams:off",
             "shared:removed", "argmax:torch", "norm-ropes:split", "activations:q8", "q8-units:off",
             "quantize:removed", "x-widen:0", "experts-gemm:0", "experts-gemm-shape:32,8", "prefill-chunk:1024",
@@ -82,10 +82,20 @@ def test_tile_major_variant_relays_the_glu_stacks_and_back(monkeypatch) -> None:
     monkeypatch.setitem(sv.WEIGHTS, "w", type("W", (), {"tensors": {n: n for n in stacks}})())
     try:
         sv.apply("tile-major:glu")
-        assert kernel_gemv._launch_rr is sv._tiled_glu_launch
+        assert kernel_gemv._launch_rr is sv._tiled_launch and sv.TILED == {"glu"}
         for n in ("l0.gate_exps", "l0.up_exps"):
             assert torch.equal(stacks[n], gemv_rr.tile_major(before[n], "Q4_K_R", 4, 2))
         assert torch.equal(stacks["l0.down_exps"], before["l0.down_exps"])
     finally:
         sv.apply("base")
-    assert all(torch.equal(stacks[n], before[n]) for n in stacks)
+    assert all(torch.equal(stacks[n], before[n]) for n in stacks) and not sv.TILED
+    try:  # the down stacks (Q5_1_R, tiles of 8 rows, one 96-byte chunk a step) and back
+        kinds["l0.down_exps"] = "Q5_1_R"
+        stacks["l0.down_exps"] = torch.randint(0, 256, (2, 16, 480), dtype=torch.uint8, generator=gen)
+        before["l0.down_exps"] = stacks["l0.down_exps"].clone()
+        sv.apply("tile-major:down+tile-major:glu")
+        assert sv.TILED == {"glu", "down"}
+        assert torch.equal(stacks["l0.down_exps"], gemv_rr.tile_major(before["l0.down_exps"], "Q5_1_R", 8, 1))
+    finally:
+        sv.apply("base")
+    assert all(torch.equal(stacks[n], before[n]) for n in stacks) and not sv.TILED

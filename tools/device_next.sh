@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # What the session of 2026-12-06 measured on H100s only, for an H200 (the target's card), in one run: the
 # routed-expert launches alone by where their experts lie, and row-register launches with their weights stored
-# tile-major (a program's words of one K-loop step together: tools/moe_lab.py), then the routed GLU's stacks
-# tile-major in the 4K step (tools/step_variants.py tile-major:glu). Writes JSON under OUT (default ./device-out),
-# named as bench/results names them. ~2 minutes on an H100.
+# tile-major (a program's words of one K-loop step together: tools/moe_lab.py), then the routed GLU's and down
+# projections' stacks and the head tile-major in the 4K step (tools/step_variants.py tile-major:T). Writes JSON
+# under OUT (default ./device-out), named as bench/results names them. ~3 minutes on an H100.
 #
 #   tools/device_next.sh COMMIT
 set -uo pipefail  # no -e: a failed step is reported and the next one still runs
@@ -16,7 +16,8 @@ quiet() { grep -v -e Warning -e warn_once || true; }
 echo "== routed-expert and row-register launches alone (48 layers' worth, captured)"
 python tools/moe_lab.py --commit "$commit" --out "$out/moe-lab-$commit.json" 2>&1 | quiet
 echo "(exit ${PIPESTATUS[0]})"
-echo "== the routed GLU's stacks tile-major in the 4K step"
-timeout 240 python tools/step_variants.py --commit "$commit" --out "$out/step-variants-tile-$commit.json" \
-    base tile-major:glu base tile-major:glu 2>&1 | quiet
+echo "== tile-major weights in the 4K step"
+timeout 300 python tools/step_variants.py --commit "$commit" --out "$out/step-variants-tile-$commit.json" \
+    base tile-major:glu tile-major:down tile-major:head tile-major:glu+tile-major:down+tile-major:head base 2>&1 \
+    | quiet
 echo "(exit ${PIPESTATUS[0]})"

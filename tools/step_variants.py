@@ -61,8 +61,9 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   experts-gemm-shape:BN,W    the grouped expert GEMM with BN weight rows per program over W warps
                              (`experts_gemm.BLOCK_N`, `NUM_WARPS`)
   prefill-chunk:N            the prefill of --prefill-tokens in chunks of N tokens (512: `Engine.prefill`'s)
-  tile-major:glu             the routed experts' Q4_K_R gate/up stacks stored tile-major (`gemv_rr.tile_major`: a
-                             program's words of one K-loop step together) and their GLU launched so
+  tile-major:T               T (glu: the routed experts' Q4_K_R gate/up stacks; down: their Q5_1_R down stacks;
+                             head: the Q6_K_R head) stored tile-major (`gemv_rr.tile_major`: a program's words of
+                             one K-loop step together) and launched so
   shape:KIND:NCH:LO:HI:BR,SBC,WARPS,SPLIT
                              row-register launches of KIND over NCH chunks with LO <= row tiles < HI in this
                              launch shape (`gemv_rr.launch_shape`)
@@ -165,34 +166,42 @@ def _prompt_logits(model: Model, tokens: int, chunk: int) -> torch.Tensor:
     return bench.prefill_chunks(model, ids, model.new_state(capacity=tokens + 8), chunk).float().cpu()
 
 
-WEIGHTS: dict = {}  # the synthetic model's weights (main), which `tile-major:glu` re-lays in place
-TILED = {"glu": False}
+WEIGHTS: dict = {}  # the synthetic model's weights (main), which the `tile-major:` variants re-lay in place
+TILE_TARGETS = {  # name -> (tensor name suffixes, type, tile rows, chunks per step): the real geometry's launch shapes
+    "glu": (("gate_exps", "up_exps"), "Q4_K_R", 4, 2),
+    "down": (("down_exps",), "Q5_1_R", 8, 1),
+    "head": (("head",), "Q6_K_R", 16, 1),
+}
+TILED: set[str] = set()
 
 
-def _relay_glu_stacks(tiled: bool) -> None:
-    """The routed gate/up Q4_K_R stacks of WEIGHTS to tile-major (tiles of 4 rows, 2 super-blocks a step: the
-    GLU's launch shape at the real geometry) or back, in place."""
-    if TILED["glu"] == tiled:
-        return
+def _relay(target: str, tiled: bool) -> None:
+    """The tensors of WEIGHTS that `target` names (`TILE_TARGETS`), stored in its type, re-laid tile-major
+    (`gemv_rr.tile_major`) or back to row-major, in place."""
+    suffixes, kind, tile, sbc = TILE_TARGETS[target]
     w = WEIGHTS.get("w")
     for name, t in (w.tensors.items() if w is not None else ()):
-        raw = kernel_ops.stored_rows(t) if name.endswith(("gate_exps", "up_exps")) else None
-        if raw is None or raw[1] != "Q4_K_R":
+        raw = kernel_ops.stored_rows(t) if name.endswith(suffixes) else None
+        if raw is None or raw[1] != kind:
             continue
         data = raw[0]
         if tiled:
-            data.copy_(gemv_rr.tile_major(data, "Q4_K_R", 4, 2))
+            data.copy_(gemv_rr.tile_major(data, kind, tile, sbc))
         else:
-            e, n, rb = data.shape
-            data.copy_(data.reshape(e, n // 4, rb // 288, 4, 288).transpose(-3, -2).reshape(e, n, rb))
-    TILED["glu"] = tiled
+            *lead, n, rb = data.shape
+            step = sbc * gemv_rr.CHUNK[kind][1]
+            data.copy_(data.reshape(*lead, n // tile, rb // step, tile, step).transpose(-3, -2).reshape(data.shape))
+    TILED.symmetric_difference_update({target})
 
 
-def _tiled_glu_launch(t, x, w, ids, out, n, k, slots, *a, **kw):
-    """`gemv._launch_rr`, with tile-major weights for the routed Q4_K_R GLU."""
+def _tiled_launch(t, x, w, ids, out, n, k, slots, *a, **kw):
+    """`gemv._launch_rr`, telling the launches of the re-laid tensors (`TILED`) their tile."""
     up = a[3]
-    if t.name == "Q4_K_R" and up is not None and ids is not None:
-        kw["tile"] = 4
+    target = ("glu" if t.name == "Q4_K_R" and up is not None and ids is not None
+              else "down" if t.name == "Q5_1_R" and up is None and ids is not None
+              else "head" if t.name == "Q6_K_R" and up is None and ids is None else None)
+    if target in TILED:
+        kw["tile"] = TILE_TARGETS[target][2]
     return BASE["launch_rr"](t, x, w, ids, out, n, k, slots, *a, **kw)
 
 
@@ -225,8 +234,9 @@ def apply(variant: str) -> dict:
     gemv_rr.PRELOAD.clear()
     gemv_rr.PRELOAD.update(BASE["PRELOAD"])
     kernel_gemv._launch_rr = BASE["launch_rr"]
-    tile_glu = "tile-major:glu" in variant.split("+")
-    _relay_glu_stacks(tile_glu)
+    for target in TILE_TARGETS:
+        if (f"tile-major:{target}" in variant.split("+")) != (target in TILED):
+            _relay(target, target not in TILED)
     for t in BASE["GEMV_TYPE_NAMES"].values():
         kernel_gemv.GEMV_TYPE_NAMES[t.name] = kernel_gemv.GEMV_TYPES[t.type_id] = t
     swaps = {}
@@ -302,8 +312,8 @@ def _apply_one(variant: str) -> dict:
                                            torch.cuda.get_device_properties(0).multi_processor_count)[int(args[0])])
         knobs.pop("finish_in_down", None)
         hyper.hc_read_defaults = lambda *a: dict(knobs)
-    elif name == "tile-major" and args == ["glu"]:
-        kernel_gemv._launch_rr = _tiled_glu_launch
+    elif name == "tile-major" and len(args) == 1 and args[0] in TILE_TARGETS:
+        kernel_gemv._launch_rr = _tiled_launch
     elif name == "hc-up" and len(args) == 1:
         hyper.hc_read_defaults = functools.partial(BASE["hc_read_defaults"], block_h=int(args[0]))
     elif name == "shape" and len(args) == 5:
