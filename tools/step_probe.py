@@ -56,9 +56,7 @@ def launch_stats(rows: np.ndarray, t0: int) -> dict:
     waited = rows[:, WAITED]
     has_wait = bool((waited > 0).all())
     loop_from = waited if has_wait else rows[:, START]
-    per_sm = np.bincount(rows[:, SM].astype(np.int64))
-    out = {"programs": int(rows.shape[0]), "sms": int((per_sm > 0).sum()), "max_per_sm": int(per_sm.max()),
-           "at": (s0 - t0) / 1e3,
+    out = {"programs": int(rows.shape[0]), "at": (s0 - t0) / 1e3,
            "start_p50": _pct(start, 50), "start_p90": _pct(start, 90), "start_max": _pct(start, 100),
            "loop_p50": _pct(rows[:, LOOPED] - loop_from, 50), "loop_p90": _pct(rows[:, LOOPED] - loop_from, 90),
            "after_loop_p50": _pct(rows[:, END] - rows[:, LOOPED], 50),
@@ -71,7 +69,7 @@ def launch_stats(rows: np.ndarray, t0: int) -> dict:
 
 
 def sm_stats(rows: np.ndarray, loop_from: np.ndarray) -> dict:
-    """How the launch's work sat on its SMs: programs per SM (min, p50), each SM's span from its programs' first
+    """How the launch's work sat on its SMs: the SMs used, programs per SM (min, p50, max), each SM's span from its programs' first
     loop start to their last end (p50, max), and how the span grows with the SM's program count (least-squares
     us per program, and the correlation). A launch bound by what one SM can issue has spans that grow with the
     count; one bound by memory has spans that do not."""
@@ -79,7 +77,8 @@ def sm_stats(rows: np.ndarray, loop_from: np.ndarray) -> dict:
     used = np.unique(sm)
     counts = np.array([(sm == s).sum() for s in used], dtype=np.float64)
     spans = np.array([(rows[sm == s, END].max() - loop_from[sm == s].min()) / 1e3 for s in used])
-    out = {"min_per_sm": int(counts.min()), "per_sm_p50": float(np.median(counts)),
+    out = {"sms": int(used.size), "min_per_sm": int(counts.min()), "per_sm_p50": float(np.median(counts)),
+           "max_per_sm": int(counts.max()),
            "sm_span_p50": float(np.median(spans)), "sm_span_max": float(spans.max())}
     if used.size > 2 and counts.std() > 0 and spans.std() > 0:
         out["us_per_program"] = float(np.polyfit(counts, spans, 1)[0])

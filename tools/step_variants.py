@@ -184,25 +184,19 @@ def _relay(target: str, tiled: bool) -> None:
         raw = kernel_ops.stored_rows(t) if name.endswith(suffixes) else None
         if raw is None or raw[1] != kind:
             continue
-        data = raw[0]
-        if tiled:
-            data.copy_(gemv_rr.tile_major(data, kind, tile, sbc))
-        else:
-            *lead, n, rb = data.shape
-            step = sbc * gemv_rr.CHUNK[kind][1]
-            data.copy_(data.reshape(*lead, n // tile, rb // step, tile, step).transpose(-3, -2).reshape(data.shape))
-    TILED.symmetric_difference_update({target})
+        raw[0].copy_(gemv_rr.tile_major(raw[0], kind, tile, sbc, undo=not tiled))
+    (TILED.add if tiled else TILED.discard)(target)
 
 
-def _tiled_launch(t, x, w, ids, out, n, k, slots, *a, **kw):
+def _tiled_launch(t, x, w, ids, out, n, k, slots, w_slot_stride, x_slot_stride, out_slot_stride, up, *a, **kw):
     """`gemv._launch_rr`, telling the launches of the re-laid tensors (`TILED`) their tile."""
-    up = a[3]
     target = ("glu" if t.name == "Q4_K_R" and up is not None and ids is not None
               else "down" if t.name == "Q5_1_R" and up is None and ids is not None
               else "head" if t.name == "Q6_K_R" and up is None and ids is None else None)
     if target in TILED:
         kw["tile"] = TILE_TARGETS[target][2]
-    return BASE["launch_rr"](t, x, w, ids, out, n, k, slots, *a, **kw)
+    return BASE["launch_rr"](t, x, w, ids, out, n, k, slots, w_slot_stride, x_slot_stride, out_slot_stride, up, *a,
+                             **kw)
 
 
 def _variant_model(w, dev: torch.device, variant: str) -> Model:

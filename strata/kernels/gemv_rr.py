@@ -757,17 +757,19 @@ def launch_shape(kind: str, n_chunks: int, tiles: int = 1 << 30) -> tuple[int, i
     return br, sbc, warps, split
 
 
-def tile_major(rows: torch.Tensor, kind: str, tile: int, chunks_per_step: int) -> torch.Tensor:
+def tile_major(rows: torch.Tensor, kind: str, tile: int, chunks_per_step: int, undo: bool = False) -> torch.Tensor:
     """The (..., N, row bytes) stored rows of a row-register type reordered into tiles of `tile` rows, each tile
     step by step (`_rr_kernel`'s TILE): [..., N / tile, steps, tile, step bytes], the same bytes, so that the words
-    one program loads in one K-loop step are contiguous instead of `tile` pieces a row apart."""
+    one program loads in one K-loop step are contiguous instead of `tile` pieces a row apart. undo: the reverse
+    (tile-major rows back to row-major)."""
     n, row_bytes = rows.shape[-2:]
     step_bytes = chunks_per_step * CHUNK[kind][1]
     if n % tile or row_bytes % step_bytes:
         raise StrataError(f"tile-major {kind}: {n} rows of {row_bytes} bytes do not split into tiles of {tile} rows "
                           f"and steps of {step_bytes} bytes")
-    lead = rows.shape[:-2]
-    t = rows.reshape(*lead, n // tile, tile, row_bytes // step_bytes, step_bytes)
+    lead, steps = rows.shape[:-2], row_bytes // step_bytes
+    inner = (steps, tile) if undo else (tile, steps)
+    t = rows.reshape(*lead, n // tile, *inner, step_bytes)
     return t.transpose(-3, -2).contiguous().reshape(rows.shape)
 
 

@@ -56,20 +56,6 @@ def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, wi_p
                     S: tl.constexpr, KPS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr,
                     NHB: tl.constexpr, DT: tl.constexpr, WRITE: tl.constexpr, TICKETS: tl.constexpr,
                     GDC: tl.constexpr = False, LATE: tl.constexpr = False):
-    """The down launch: program (row block, K chunk) runs `_hc_down_part`."""
-    if not LATE:
-        pdl.started(GDC)
-    _hc_down_part(tl.program_id(0), tl.program_id(1), x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr,
-                  wi_ptr, y_ptr, xo_ptr, cnt_ptr, m_ptr, iota_ptr, H, R, NI, RT, NRBD, eps, S, KPS, BR, BK, HB, NHB,
-                  DT, WRITE, TICKETS, GDC, LATE)
-
-
-@triton.jit
-def _hc_down_part(pr, pk, x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, wi_ptr, y_ptr, xo_ptr, cnt_ptr,
-                  m_ptr, iota_ptr, H, R, NI, RT, NRBD, eps,
-                  S: tl.constexpr, KPS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr,
-                  NHB: tl.constexpr, DT: tl.constexpr, WRITE: tl.constexpr, TICKETS: tl.constexpr,
-                  GDC: tl.constexpr, LATE: tl.constexpr):
     """part[pk, row] = sum over the chunk's k of W[row, k] * GN(x)[k] (fp32) for BR rows; rstd[s] by one
     program per stream. All global loads come first: the compiler does not move loads above the barriers of
     the reductions, so this is what puts the weight tile in flight together with the statistics.
@@ -83,8 +69,11 @@ def _hc_down_part(pr, pk, x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr
     partials in chunk order and stores the finished rows: m = SiLU(round(sum) / S) (fp32, to m) for down rows,
     iota = 2 sigma(round(sum) / S) for inject rows; so the up programs load m instead of each summing every
     partial again (640 x 25 KB of L2 reads per read at the real geometry). Same sums, same order: same bits. GDC (PDL): the weight tile and norm scales
-    are loaded before the wait for the previous kernel, the state after (LATE: `pdl.LATE_RELEASE`; the caller
-    lets the next kernel in first otherwise)."""
+    are loaded before the wait for the previous kernel, the state after (LATE: `pdl.LATE_RELEASE`)."""
+    if not LATE:
+        pdl.started(GDC)
+    pr = tl.program_id(0)
+    pk = tl.program_id(1)
     s = pk // KPS
     c = pk % KPS
     SH = S * H
@@ -150,28 +139,19 @@ def _hc_up_kernel(x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, m_ptr, a_ptr, iot
                   RT, S: tl.constexpr, SP: tl.constexpr, NKC: tl.constexpr, BH: tl.constexpr, RC: tl.constexpr,
                   NRC: tl.constexpr, NIP: tl.constexpr, DT: tl.constexpr, TICKETS: tl.constexpr,
                   Q8: tl.constexpr = 0, GDC: tl.constexpr = False, LATE: tl.constexpr = False):
-    """The up launch: program i runs `_hc_up_part` after the down launch."""
-    if not LATE:
-        pdl.started(GDC)
-    _hc_up_part(tl.program_id(0), tl.num_programs(0), x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, m_ptr, a_ptr,
-                iota_ptr, xq_ptr, qcnt_ptr, H, R, NI, RT, S, SP, NKC, BH, RC, NRC, NIP, DT, TICKETS, Q8, GDC, LATE)
-
-
-@triton.jit
-def _hc_up_part(pid, nup, x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, m_ptr, a_ptr, iota_ptr, xq_ptr, qcnt_ptr, H,
-                R, NI, RT, S: tl.constexpr, SP: tl.constexpr, NKC: tl.constexpr, BH: tl.constexpr,
-                RC: tl.constexpr, NRC: tl.constexpr, NIP: tl.constexpr, DT: tl.constexpr, TICKETS: tl.constexpr,
-                Q8: tl.constexpr, GDC: tl.constexpr, LATE: tl.constexpr):
     """a[i] = mean_s GN(x)[s, i] * sigma((W_up m)[s*H + i]) for BH features i, m = SiLU((sum of the down
     partials) / S); the last program also writes iota = 2 sigma((sum of the inject partials) / S). The loads
     come first for the same reason as in the down kernel; the loop over NRC column chunks has no barrier, so
     the compiler may issue all chunks' loads together, but that is its choice (NRC = 1 leaves it none).
     GDC (PDL): the norm scales and the first column chunk of W_up are loaded before the wait for the down
     kernel, everything it wrote after. TICKETS: the down kernel finished m and iota (see there); m is loaded.
-    LATE: `pdl.LATE_RELEASE` (the caller lets the next kernel in first otherwise). Q8 (a word span of
-    `gemv_q8x.ORDER`, 0: none): a is also stored as Q8 units (`gemv_rr.store_q8x_runs`) to xq, each run of 32
-    features by the last of its programs to draw a ticket from qcnt (BH < 32), or by its program (BH >= 32)."""
-    ni = tl.where(pid == nup - 1, NI, 0)  # inject rows this program handles
+    LATE: `pdl.LATE_RELEASE`. Q8 (a word span of `gemv_q8x.ORDER`, 0: none): a is also stored as Q8 units
+    (`gemv_rr.store_q8x_runs`) to xq, each run of 32 features by the last of its programs to draw a ticket from
+    qcnt (BH < 32), or by its program (BH >= 32)."""
+    if not LATE:
+        pdl.started(GDC)
+    pid = tl.program_id(0)
+    ni = tl.where(pid == tl.num_programs(0) - 1, NI, 0)  # inject rows this program handles
     sv = tl.arange(0, SP)
     i = pid * BH + tl.arange(0, BH)
     fm = (sv[:, None] < S) & (i[None, :] < H)  # [SP, BH]
