@@ -71,8 +71,8 @@ def launch_stats(rows: np.ndarray, t0: int) -> dict:
 def sm_stats(rows: np.ndarray, loop_from: np.ndarray) -> dict:
     """How the launch's work sat on its SMs: the SMs used, programs per SM (min, p50, max), each SM's span from
     its programs' first loop start to their last end (p50, max), and how the span grows with the SM's program
-    count (least-squares us per program, and the correlation). A launch bound by what one SM can issue has spans that grow with the
-    count; one bound by memory has spans that do not."""
+    count (least-squares us per program, and the correlation). A launch bound by what one SM can issue has spans
+    that grow with the count; one bound by memory has spans that do not."""
     sm = rows[:, SM].astype(np.int64)
     used = np.unique(sm)
     counts = np.array([(sm == s).sum() for s in used], dtype=np.float64)
