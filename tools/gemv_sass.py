@@ -234,13 +234,13 @@ def main() -> int:
                          "--bn/--warps set its BLOCK_N/NUM_WARPS; instructions per weight decoded per thread")
     ap.add_argument("--x", default="bf16", choices=("bf16", "fp32", "q8"),
                     help="x's element type (default bf16; q8: Q8 activations, `gemv_q8x`, with --rr)")
-    ap.add_argument("--x-widen", default=None, choices=("0", "1"),
-                    help="the row-register kernel with bf16 x widened by inline PTX (1) or not (0); default: "
-                         "gemv_rr.WIDEN_X_ASM")
+    ap.add_argument("--x-widen", default=None, choices=("0", "1", "free"),
+                    help="the row-register kernel with bf16 x widened by inline PTX (1), by .to(float32) (0) or "
+                         "not at all (free: a timing probe, wrong values); default: gemv_rr.WIDEN_X_ASM")
     ap.add_argument("--out", default=None, help="also write the reports as JSON here")
     args = ap.parse_args()
     if args.x_widen is not None:
-        RR.WIDEN_X_ASM = args.x_widen == "1"
+        RR.WIDEN_X_ASM = "free" if args.x_widen == "free" else args.x_widen == "1"
     facts = []
     for name in args.types:
         t = _resolve(name)

@@ -54,8 +54,9 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
                              GEMV)
   quantize:removed           with activations:q8: the quantize launches left out of the graph (units from the
                              warm-up): bounds what Q8 units written by their producers could gain
-  x-widen:0|1                the row-register GEMVs widen bf16 x by inline PTX (1) or `.to(tl.float32)` (0)
-                             (`gemv_rr.WIDEN_X_ASM`)
+  x-widen:0|1|free           the row-register GEMVs widen bf16 x by inline PTX (1) or `.to(tl.float32)` (0)
+                             (`gemv_rr.WIDEN_X_ASM`); free: not at all, the bits taken as fp32 (wrong values,
+                             timing only: what the widening costs, the bound for x stored as fp32)
   experts-gemm:N             prefill's routed experts as grouped matrix products from N tokens
                              (`ops.GEMM_MIN_TOKENS`; 0: never, the one-slot-per-pass GEMV); with --prefill-tokens
   experts-gemm-shape:BN,W    the grouped expert GEMM with BN weight rows per program over W warps
@@ -283,8 +284,8 @@ def _apply_one(variant: str) -> dict:
         return {n: getattr(plain, n) for n in Q8_UNIT_WRITERS}
     elif name == "quantize" and args == ["removed"]:
         gemv_q8x.quantize = _frozen(BASE["quantize"], 3)
-    elif name == "x-widen" and args in (["0"], ["1"]):
-        gemv_rr.WIDEN_X_ASM = args[0] == "1"
+    elif name == "x-widen" and args in (["0"], ["1"], ["free"]):
+        gemv_rr.WIDEN_X_ASM = "free" if args[0] == "free" else args[0] == "1"
     elif name == "shared" and args == ["removed"]:
         return {"branches": _frozen_shared}
     elif name == "streams" and args == ["off"]:

@@ -77,8 +77,12 @@ def _permute(v, base, SEL: tl.constexpr, B: tl.constexpr, POS: tl.constexpr, ASM
 def _xf(v, XA: tl.constexpr):
     """x as fp32. With XA (bf16 x on the GPU, `WIDEN_X_ASM`) each loaded register of two bf16 values widens in one
     shift (the low one) and one mask (the high one); `.to(tl.float32)` takes a byte permute and a shift for the
-    high one."""
-    if XA and v.dtype == tl.bfloat16:
+    high one. XA == "free" (a timing probe, `tools/step_variants.py x-widen:free`): the register's bits taken as
+    fp32 unconverted (no instruction, wrong values), for what the widening costs a step."""
+    if XA == "free" and v.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise("{ mov.b32 $0, $2; mov.b32 $1, $2; }", "=r,=r,r", [v],
+                                         dtype=tl.float32, is_pure=True, pack=2)
+    elif XA and v.dtype == tl.bfloat16:
         return tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000; }", "=r,=r,r", [v],
                                          dtype=tl.float32, is_pure=True, pack=2)
     else:
@@ -608,7 +612,7 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
     if PROBE:
         t_waited = globaltimer() if HAS_IDS and not IDS_EARLY else t_start * 0
     REL: tl.constexpr = RELEASE == 1 and (IDS_EARLY or not HAS_IDS)  # started by the K loop's helper, at its wait
-    XA: tl.constexpr = ASM and XW
+    XA: tl.constexpr = XW if ASM else False
     pid = tl.program_id(0)
     slot = tl.program_id(1).to(tl.int64)
     part = tl.program_id(2)
