@@ -48,15 +48,28 @@ from strata.runtime.state import GDNState
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
+EARLY_LOADS = True
+"""Whether the step kernel loads its stored weights (conv taps, A, dt bias, norm weight) before its PDL wait and
+every program its head's gate inputs right after it (`_gdn_step_kernel`'s EARLY), so that the program that
+normalises a head finds them in registers after its ticket instead of loading them then. The same values either
+way; False for A/B runs (`tools/step_variants.py gdn-early:0`)."""
+
 
 @triton.jit
-def _conv_act(x_ptr, win_ptr, w_ptr, ch, cmask, K: tl.constexpr, KP: tl.constexpr, SILU: tl.constexpr,
-              DT: tl.constexpr):
-    """Causal depthwise conv of channels `ch` over [old window | x], activation; fp32 values that went
-    through the same model-dtype roundings as the reference (conv output, then activation output)."""
+def _conv_weights(w_ptr, ch, cmask, K: tl.constexpr, KP: tl.constexpr):
+    """The conv taps of channels `ch` (stored weights: a load that may precede the PDL wait)."""
     taps = tl.arange(0, KP)
-    w = tl.load(w_ptr + ch[:, None] * K + taps[None, :], mask=cmask[:, None] & (taps[None, :] < K),
-                other=0.0).to(tl.float32)
+    return tl.load(w_ptr + ch[:, None] * K + taps[None, :], mask=cmask[:, None] & (taps[None, :] < K),
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _conv_act(x_ptr, win_ptr, w, ch, cmask, K: tl.constexpr, KP: tl.constexpr, SILU: tl.constexpr,
+              DT: tl.constexpr):
+    """Causal depthwise conv of channels `ch` over [old window | x] with taps w (`_conv_weights`), activation;
+    fp32 values that went through the same model-dtype roundings as the reference (conv output, then activation
+    output)."""
+    taps = tl.arange(0, KP)
     h = tl.load(win_ptr + ch[:, None] * (K - 1) + taps[None, :],
                 mask=cmask[:, None] & (taps[None, :] < K - 1), other=0.0).to(tl.float32)
     xv = tl.load(x_ptr + ch, mask=cmask, other=0.0).to(tl.float32)
@@ -89,24 +102,37 @@ def _window_store(win_ptr, ch, n, nxt, K: tl.constexpr, KP: tl.constexpr):
 
 
 @triton.jit
-def _gated_norm(o_ptr, z_ptr, nw_ptr, out_ptr, j, n, DV, eps, BD: tl.constexpr, SILU_GATE: tl.constexpr,
+def _gated_norm(o_ptr, z, w, out_ptr, j, n, DV, eps, BD: tl.constexpr, SILU_GATE: tl.constexpr,
                 DT: tl.constexpr):
-    """out[j] = RMSNorm(o[j]) * w * gate(z[j]) for value head j, with the reference's roundings; elements
-    d < n only (n = DV, or 0 for a program that is not to store). o is read past L1 (`.cg`): other programs
-    of the launch may have written it."""
+    """out[j] = RMSNorm(o[j]) * w * gate(z) for value head j, with the reference's roundings (z: the head's gate
+    inputs, `_gate_inputs`; w: the norm weight, `_norm_weight`); elements d < n only (n = DV, or 0 for a program
+    that is not to store). o is read past L1 (`.cg`): other programs of the launch may have written
+    it."""
     d = tl.arange(0, BD)
     dm = d < n
     o = tl.load(o_ptr + j * DV + d, mask=dm, other=0.0, cache_modifier=".cg").to(tl.float32)
     var = tl.sum(o * o, axis=0) / DV
     nrm = (o * tl.rsqrt(var + eps)).to(DT).to(tl.float32)
-    w = tl.load(nw_ptr + d, mask=dm, other=0.0).to(DT).to(tl.float32)
     p = (w * nrm).to(DT).to(tl.float32)
-    z = tl.load(z_ptr + j * DV + d, mask=dm, other=0.0).to(tl.float32)
     if SILU_GATE:
         gate = z * tl.sigmoid(z)
     else:
         gate = tl.sigmoid(z)
     tl.store(out_ptr + j * DV + d, (p * gate).to(DT), mask=dm)
+
+
+@triton.jit
+def _norm_weight(nw_ptr, n, DT: tl.constexpr, BD: tl.constexpr):
+    """The gated norm's weight, rounded to the model dtype, fp32 [BD] (elements d < n loaded, else 0)."""
+    d = tl.arange(0, BD)
+    return tl.load(nw_ptr + d, mask=d < n, other=0.0).to(DT).to(tl.float32)
+
+
+@triton.jit
+def _gate_inputs(z_ptr, j, n, DV, BD: tl.constexpr):
+    """Value head j's gate inputs z, fp32 [BD] (elements d < n loaded, else 0)."""
+    d = tl.arange(0, BD)
+    return tl.load(z_ptr + j * DV + d, mask=d < n, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -116,12 +142,15 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
                      K: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr,
                      TILED: tl.constexpr, SILU: tl.constexpr, SILU_GATE: tl.constexpr, DT: tl.constexpr,
                      FUSED: tl.constexpr, Q8: tl.constexpr = 0, GDC: tl.constexpr = False,
-                     LATE: tl.constexpr = False):
+                     LATE: tl.constexpr = False, EARLY: tl.constexpr = True):
     """The step of one (dk, BV) state slab; with FUSED also the gated norm and the conv window shift (tickets
     in cnt: NV value-head counters, then NK key-head counters), else `_gdn_out_kernel` does those. Q8 (with
     FUSED; a word span of `gemv_q8x.ORDER`, 0: none): the program that normalises a head also stores it as Q8
-    units to xq (`gemv_rr.store_q8x_runs`; DV a multiple of 32)."""
-    pdl.enter(GDC, LATE)
+    units to xq (`gemv_rr.store_q8x_runs`; DV a multiple of 32). EARLY (`EARLY_LOADS`): the stored weights (conv
+    taps, A, dt bias, norm weight) are loaded before the PDL wait and the head's gate inputs z right after it,
+    with the state, instead of by the last program after its tickets; the same values either way."""
+    if not LATE:
+        pdl.started(GDC)
     j = tl.program_id(0)  # value head
     vb = tl.program_id(1)  # dv block
     if TILED:
@@ -132,10 +161,29 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
     im = i < DK
     vcol = vb * BV + tl.arange(0, BV)
     vm = vcol < DV
+    if EARLY:
+        wq = _conv_weights(convw_ptr, kh * DK + i, im, K, KP)
+        wk = _conv_weights(convw_ptr, KEY_DIM + kh * DK + i, im, K, KP)
+        wv = _conv_weights(convw_ptr, 2 * KEY_DIM + j * DV + vcol, vm, K, KP)
+        a_log = tl.load(A_ptr + j)
+        dtb = tl.load(dtb_ptr + j)
+        if FUSED:
+            nw = _norm_weight(nw_ptr, DV, DT, BD)
+    pdl.wait(GDC)
+    if LATE:
+        pdl.started(GDC)
+    if EARLY and FUSED:
+        z = _gate_inputs(z_ptr, j, DV, DV, BD)
+    if not EARLY:
+        wq = _conv_weights(convw_ptr, kh * DK + i, im, K, KP)
+        wk = _conv_weights(convw_ptr, KEY_DIM + kh * DK + i, im, K, KP)
+        wv = _conv_weights(convw_ptr, 2 * KEY_DIM + j * DV + vcol, vm, K, KP)
+        a_log = tl.load(A_ptr + j)
+        dtb = tl.load(dtb_ptr + j)
 
-    q = _conv_act(x_ptr, win_ptr, convw_ptr, kh * DK + i, im, K, KP, SILU, DT)
-    k = _conv_act(x_ptr, win_ptr, convw_ptr, KEY_DIM + kh * DK + i, im, K, KP, SILU, DT)
-    v = _conv_act(x_ptr, win_ptr, convw_ptr, 2 * KEY_DIM + j * DV + vcol, vm, K, KP, SILU, DT)
+    q = _conv_act(x_ptr, win_ptr, wq, kh * DK + i, im, K, KP, SILU, DT)
+    k = _conv_act(x_ptr, win_ptr, wk, KEY_DIM + kh * DK + i, im, K, KP, SILU, DT)
+    v = _conv_act(x_ptr, win_ptr, wv, 2 * KEY_DIM + j * DV + vcol, vm, K, KP, SILU, DT)
     if FUSED:  # the next window, loaded while the old one is intact (channel bounds as masks: see _window_next)
         qn = _window_next(x_ptr, win_ptr, kh * DK + i, kh * DK + DK, K, KP)
         kn = _window_next(x_ptr, win_ptr, KEY_DIM + kh * DK + i, KEY_DIM + kh * DK + DK, K, KP)
@@ -145,10 +193,10 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
 
     # gates: beta in the model dtype, g in fp32 (softplus with PyTorch's threshold of 20)
     beta = tl.sigmoid(tl.load(b_ptr + j).to(tl.float32)).to(DT).to(tl.float32)
-    sp_in = tl.load(alpha_ptr + j).to(tl.float32) + tl.load(dtb_ptr + j)
+    sp_in = tl.load(alpha_ptr + j).to(tl.float32) + dtb
     sp = tl.where(sp_in > 20.0, sp_in, tl.log(1.0 + tl.exp(tl.minimum(sp_in, 20.0))))
     sp = tl.where(sp_in < -15.0, tl.exp(sp_in), sp)  # log1p(e) for tiny e, where log(1 + e) rounds to 0
-    decay = tl.exp(tl.load(A_ptr + j) * sp)
+    decay = tl.exp(a_log * sp)
 
     sp_ptrs = S_ptr + j * DK * DV + i[:, None] * DV + vcol[None, :]
     smask = im[:, None] & vm[None, :]
@@ -177,7 +225,10 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
         # gated norm of value head j by the last of its NVB programs
         vcnt = cnt_ptr + j
         vlast = tl.where(tl.atomic_add(vcnt, 1, sem="acq_rel", scope="gpu") == NVB - 1, 1, 0)
-        _gated_norm(o_ptr, z_ptr, nw_ptr, out_ptr, j, DV * vlast, DV, eps, BD, SILU_GATE, DT)
+        if not EARLY:  # loaded by the last program only
+            nw = _norm_weight(nw_ptr, DV * vlast, DT, BD)
+            z = _gate_inputs(z_ptr, j, DV * vlast, DV, BD)
+        _gated_norm(o_ptr, z, nw, out_ptr, j, DV * vlast, DV, eps, BD, SILU_GATE, DT)
         tl.atomic_add(vcnt, -NVB * vlast, sem="relaxed", scope="gpu")
         if Q8 > 0:
             tl.debug_barrier()  # the head's outputs are stored before they are read back
@@ -194,7 +245,8 @@ def _gdn_out_kernel(o_ptr, z_ptr, nw_ptr, out_ptr, x_ptr, win_ptr, DV, C, CH_PER
     pdl.started(GDC)
     pdl.wait(GDC)
     j = tl.program_id(0)
-    _gated_norm(o_ptr, z_ptr, nw_ptr, out_ptr, j, DV, DV, eps, BD, SILU_GATE, DT)
+    _gated_norm(o_ptr, _gate_inputs(z_ptr, j, DV, DV, BD), _norm_weight(nw_ptr, DV, DT, BD), out_ptr, j, DV, DV,
+                eps, BD, SILU_GATE, DT)
 
     # shift this program's share of the conv window (channels j * CH_PER .. up to C)
     end = tl.minimum(j * CH_PER + CH_PER, C)
@@ -247,7 +299,7 @@ def gdn_step(x: torch.Tensor, z: torch.Tensor, b: torch.Tensor, alpha: torch.Ten
         xq if emit else o, nk, nv, dk, dv, cfg.gdn_key_dim, nv // nk, nvb, dk ** -0.5, cfg.rms_norm_eps,
         K=K, KP=triton.next_power_of_2(K), BK=triton.next_power_of_2(dk), BV=bv, BD=bd,
         TILED=prm.value_order == "tiled", SILU=cfg.hidden_act == "silu", SILU_GATE=silu_gate, DT=TL_DTYPES[dt],
-        FUSED=cnt is not None, Q8=q8_span if emit else 0, **pdl.launch(x.device, "gdn_step"))
+        FUSED=cnt is not None, Q8=q8_span if emit else 0, EARLY=EARLY_LOADS, **pdl.launch(x.device, "gdn_step"))
     if emit:
         gemv_rr.record_q8x(out, xq, q8_span)
     if cnt is None:  # no ticket counters on this stream: the norm and shift in a second launch
