@@ -76,7 +76,7 @@ def test_gdn_step_one_launch_equals_two(monkeypatch, order, gate, dtype, K, bloc
     last program of each key head) gives the two-launch path's bits: output, conv window and state, over
     consecutive tokens (each window shift feeds the next conv); the ticket counters are back at zero. With the
     stored weights and gate inputs loaded early (`EARLY_LOADS`) or by the last program alike."""
-    from strata.kernels import gemv, gemv_rr
+    from strata.kernels import gemv
 
     monkeypatch.setattr(gdn, "EARLY_LOADS", early)
 
@@ -102,10 +102,6 @@ def test_gdn_step_one_launch_equals_two(monkeypatch, order, gate, dtype, K, bloc
         assert torch.equal(one.conv, two.conv)
         assert torch.equal(one.recurrent, two.recurrent)
         assert int(cnt.abs().sum()) == 0
-        # the one-launch path also writes the output's values as fp32 for the out projection (`WRITE_X32`)
-        x32 = gemv_rr.recorded_x32(got)
-        assert (x32 is None) == (dtype == torch.float32) and (x32 is None or torch.equal(x32, got.float()))
-        assert gemv_rr.recorded_x32(want) is None
     assert torch.equal(one.conv[:, -1], x[0])  # the last token is the window's last tap
 
 
@@ -208,30 +204,6 @@ def test_attend_q8_units_are_the_quantized_output(monkeypatch, tile):
     assert torch.equal(xq, gemv_q8x.quantize(got.clone(), "Q8_0_R"))
     single = attention.attend(q, state, idx, ok, cfg, gate, split=128, q8_span=8)
     assert gemv_rr.recorded_q8x(single, 8) is None
-
-
-def test_attend_records_an_fp32_copy_of_its_output(monkeypatch):
-    """With `gemv_rr.WRITE_X32` (bf16) the merge programs also store the output's values as fp32 and record them
-    for the o projection; the output is the call's without the copy. One split (no merge): nothing recorded."""
-    from strata.kernels import gemv_rr
-
-    cfg = config(head_dim=64, indexer_head_dim=64)
-    g = torch.Generator().manual_seed(6)
-    state = QSAState.empty(cfg, torch.bfloat16, "cpu", 64)
-    state.k.normal_(generator=g)
-    state.v.normal_(generator=g)
-    qg = torch.randn(1, 4, 128, generator=g).to(torch.bfloat16)
-    q, gate = qg[..., :64], qg[..., 64:]
-    idx = torch.randint(0, 64, (1, 100), generator=g)
-    ok = torch.rand(1, 100, generator=g) > 0.3
-    monkeypatch.setattr(gemv_rr, "WRITE_X32", False)
-    plain = attention.attend(q, state, idx, ok, cfg, gate, split=32)
-    assert gemv_rr.recorded_x32(plain) is None
-    monkeypatch.setattr(gemv_rr, "WRITE_X32", True)
-    got = attention.attend(q, state, idx, ok, cfg, gate, split=32)
-    assert torch.equal(got, plain)
-    assert torch.equal(gemv_rr.recorded_x32(got), got.float())
-    assert gemv_rr.recorded_x32(attention.attend(q, state, idx, ok, cfg, gate, split=128)) is None
 
 
 @pytest.mark.parametrize("W,split,dtype", [(11, None, torch.float32), (70, 32, torch.float32),

@@ -216,32 +216,3 @@ def test_q8_units_need_a_hidden_size_of_whole_units():
     x, norm, down, up, inject = make(S, H, R, torch.float32, seed=3)
     a, _ = hyper.hc_read(x, norm, down, up, inject, S, EPS, q8_span=gemv_q8x.UNITS_SPAN)
     assert gemv_rr.recorded_q8x(a, gemv_q8x.UNITS_SPAN) is None
-
-
-@pytest.mark.parametrize("write", [False, True])
-def test_fp32_copy_of_a_is_recorded_for_the_row_register_gemvs(write, monkeypatch):
-    """With `WRITE_X32` (a bf16 model) the up kernel also stores a's values as fp32 and records them: the copy is
-    a widened exactly, a itself is unchanged, and it applies to a or a view of all of it only while a is unchanged.
-    Without it (or for an fp32 model) nothing is recorded."""
-    from strata.kernels import gemv_rr
-
-    S, H, R = 4, 256, 24
-    x, norm, down, up, inject = make(S, H, R, torch.bfloat16, seed=7 + write)
-    args = (norm, down, up, inject, S, EPS)
-    wr = (inject.tensor[:, 0].reshape(1, S).float().sigmoid().to(torch.bfloat16), x[:, :H].flip(-1)) if write else ()
-    call = hyper.hc_write_read if write else hyper.hc_read
-    monkeypatch.setattr(gemv_rr, "WRITE_X32", False)
-    plain = call(x, *wr, *args)
-    assert gemv_rr.recorded_x32(plain[-2]) is None
-    monkeypatch.setattr(gemv_rr, "WRITE_X32", True)
-    got = call(x, *wr, *args)
-    assert all(torch.equal(g, p) for g, p in zip(got, plain, strict=True))
-    a = got[-2]
-    a32 = gemv_rr.recorded_x32(a)
-    assert a32 is not None and a32.dtype == torch.float32 and torch.equal(a32, a.float())
-    assert gemv_rr.recorded_x32(a.reshape(H)) is not None
-    assert gemv_rr.recorded_x32(a[:, : H // 2]) is None  # not all of a
-    a.mul_(1)
-    assert gemv_rr.recorded_x32(a) is None
-    xf = x.float()
-    assert gemv_rr.recorded_x32(call(xf, *(t.float() for t in wr), *args)[-2]) is None

@@ -766,9 +766,8 @@ def _launch_rr(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor 
     if tile and (tile != (br // 2 if glu else br) or split != 1 or n % tile):
         raise ValueError(f"tile-major weights in tiles of {tile} rows, but the launch takes {br // 2 if glu else br} "
                          f"rows of {n} per program, K split {split}")
-    x32 = None if q8x else gemv_rr.recorded_x32(x)  # x's values as fp32, where its producer wrote them
-    gemv_rr.launch(t.name, x if x32 is None else x32, w, ids, out, n, k, slots, w_slot_stride, x_slot_stride,
-                   out_slot_stride, up, up_slot_stride, (br, sbc, warps, split), _split_sum, part, cnt, slot_weights,
+    gemv_rr.launch(t.name, x, w, ids, out, n, k, slots, w_slot_stride, x_slot_stride, out_slot_stride, up,
+                   up_slot_stride, (br, sbc, warps, split), _split_sum, part, cnt, slot_weights,
                    pdl.launch(x.device), ids_early=ids_settled, q8x=q8x, q_out=q_out, tile=tile)
     if q_out is not None:
         gemv_rr.record_q8x(out, *q_out)

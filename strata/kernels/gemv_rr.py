@@ -703,41 +703,21 @@ Q8X_UNIT = (128, 160)
 """(values, bytes) of a unit of Q8 activations as the kernel reads them (`strata.kernels.gemv_q8x.quantize`): the
 128 int8 values of four runs of 32, each run's bytes in its consumer's order, then each run's (d, s) as fp32."""
 
-_RECORDS: dict[tuple[str, int], tuple[weakref.ref, int | None, object, torch.Tensor]] = {}
-"""Other forms of a GEMV input its producer wrote in the same launch, by (form, x's address): see `record_q8x`
-and `record_x32`."""
-
-
-def _record(form: str, x: torch.Tensor, tag: object, payload: torch.Tensor) -> None:
-    """Record `payload` as x's `form` (with `tag`). The record dies with x and no longer applies once x is changed
-    in place by torch (its version counter moves; inference tensors have none, and the model changes no op's
-    output in place)."""
-    key = (form, x.data_ptr())
-
-    def forget(ref: weakref.ref, key: tuple[str, int] = key) -> None:
-        if _RECORDS.get(key, (None,))[0] is ref:
-            del _RECORDS[key]
-
-    _RECORDS[key] = (weakref.ref(x, forget), _version(x), tag, payload)
-
-
-def _recorded(form: str, x: torch.Tensor, tag: object) -> torch.Tensor | None:
-    """The payload `_record` recorded as x's `form` with `tag`: None where there is none, or x is not (all of)
-    the recorded tensor, or either was changed in place since."""
-    e = _RECORDS.get((form, x.data_ptr()))
-    t = e[0]() if e is not None else None
-    if (t is None or e[2] != tag or _version(x) != e[1] or _version(t) != e[1] or x.dtype != t.dtype
-            or x.numel() != t.numel() or not x.is_contiguous()
-            or x.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()):
-        return None
-    return e[3]
+_Q8X_RECORDS: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
 
 
 def record_q8x(x: torch.Tensor, units: torch.Tensor, span: int) -> None:
     """Record that x's producer also wrote x as Q8 units for words of `span` (`Q8X_ORDER`) into `units`, in the
     launch that wrote x: `gemv_q8x.quantize` of x (or of a view of all of it) then returns them and launches
-    nothing."""
-    _record("q8x", x, span, units)
+    nothing. The record dies with x and no longer applies once x is changed in place by torch (its version counter
+    moves; inference tensors have none, and the model changes no op's output in place)."""
+    key = x.data_ptr()
+
+    def forget(ref: weakref.ref, key: int = key) -> None:
+        if _Q8X_RECORDS.get(key, (None,))[0] is ref:
+            del _Q8X_RECORDS[key]
+
+    _Q8X_RECORDS[key] = (weakref.ref(x, forget), _version(x), span, units)
 
 
 def _version(x: torch.Tensor) -> int | None:
@@ -746,39 +726,14 @@ def _version(x: torch.Tensor) -> int | None:
 
 def recorded_q8x(x: torch.Tensor, span: int) -> torch.Tensor | None:
     """The units `record_q8x` recorded for x (rows, K) and `span`, or None."""
-    units = _recorded("q8x", x, span)
-    if units is None or tuple(units.shape) != (x.shape[0], x.shape[1] // Q8X_UNIT[0] * Q8X_UNIT[1]):
+    e = _Q8X_RECORDS.get(x.data_ptr())
+    t = e[0]() if e is not None else None
+    if (t is None or e[2] != span or _version(x) != e[1] or _version(t) != e[1] or x.dtype != t.dtype
+            or x.numel() != t.numel() or not x.is_contiguous()
+            or x.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+            or tuple(e[3].shape) != (x.shape[0], x.shape[1] // Q8X_UNIT[0] * Q8X_UNIT[1])):
         return None
-    return units
-
-
-WRITE_X32 = True
-"""Whether the kernels that produce row-register GEMV inputs in a bf16 or fp16 model (the HC reads' up kernel, the
-GDN step, the attention merge) also store their outputs' values as fp32 and record them (`record_x32`): the
-row-register launches that read them then load fp32 x and convert nothing, ~1 instruction per weight fewer
-(Q4_K_R 5.89 -> 4.73 in the K loop, Q8_0_R 5.03 -> 4.03, compiled for sm_90:
-bench/results/2026-12-06-cpu-gemv-sass-x-free-95b6bc3.json), with the same products. False for A/B runs
-(`tools/step_variants.py x32:0`)."""
-
-
-def x32_copy(x: torch.Tensor) -> torch.Tensor | None:
-    """An empty fp32 tensor for the fp32 copy of a GEMV input like x that its producer is about to write, or None
-    where none is wanted (`WRITE_X32` off, or x already fp32)."""
-    return torch.empty(x.shape, dtype=torch.float32, device=x.device) if WRITE_X32 and x.dtype != torch.float32 \
-        else None
-
-
-def record_x32(x: torch.Tensor, x32: torch.Tensor) -> None:
-    """Record that x's producer also wrote x's values as fp32 into x32 (x's shape), in the launch that wrote x: the
-    row-register launches that read x then read x32 instead (`gemv._launch_rr`) and convert nothing, with the same
-    products (widening a bf16 or fp16 value is exact)."""
-    _record("x32", x, None, x32)
-
-
-def recorded_x32(x: torch.Tensor) -> torch.Tensor | None:
-    """The fp32 copy `record_x32` recorded for x (or a view of all of it, in x's shape), or None."""
-    x32 = _recorded("x32", x, None)
-    return None if x32 is None or x32.numel() != x.numel() else x32.view(x.shape)
+    return e[3]
 
 
 CHUNK = {"Q4_K_R": (256, 144), "Q8_0_R": (256, 272), "Q5_1_R": (128, 96), "Q6_K_R": (256, 224)}
