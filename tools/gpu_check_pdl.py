@@ -4,7 +4,9 @@ PDL lets each kernel start while the previous one ends; a kernel that read or wr
 `pdl.wait` that it may not would race, and a race shows as results that differ from the plainly launched
 step. So: a synthetic model at the real geometry (fewer layers, bf16), its captured decode step run for a number
 of tokens from the same filled state with PDL off, then on (captured as two graphs split at the first PLE layer,
-captured as one graph, and eager): every token's logits must be equal bit for bit. Prints one line per variant and writes JSON to --out.
+captured as one graph, and eager): every token's logits must be equal bit for bit. So must they with the GDN
+step's weights and gate inputs loaded late (`gdn.EARLY_LOADS`), a switch that only moves loads. Prints one line
+per variant and writes JSON to --out.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from strata.kernels import pdl  # noqa: E402
+from strata.kernels import gdn, pdl  # noqa: E402
 from strata.model.model import Model  # noqa: E402
 from strata.runtime.bench import fill_state  # noqa: E402
 from strata.runtime.graph import DecodeStep  # noqa: E402
@@ -52,10 +54,18 @@ def main() -> int:
     with pdl.enabled(False):
         plain = run_tokens(model, args.context, args.tokens, capture=True)
     rows = []
-    for name, capture, split in (("pdl captured", True, True), ("pdl one graph", True, False),
-                                 ("pdl eager", False, True)):
-        with pdl.enabled(True):
-            got = run_tokens(model, args.context, args.tokens, capture, split)
+    for name, capture, split, switch in (("pdl captured", True, True, None), ("pdl one graph", True, False, None),
+                                         ("pdl eager", False, True, None),
+                                         ("gdn late loads", True, True, (gdn, "EARLY_LOADS"))):
+        before = getattr(*switch) if switch else None
+        if switch:
+            setattr(*switch, not before)
+        try:
+            with pdl.enabled(True):
+                got = run_tokens(model, args.context, args.tokens, capture, split)
+        finally:
+            if switch:
+                setattr(*switch, before)
         diff = [int((a != b).sum()) for a, b in zip(plain, got, strict=True)]
         rows.append({"variant": name, "pdl_active": pdl.active(dev), "tokens": args.tokens,
                      "tokens_differing": sum(d > 0 for d in diff), "max_logits_differing": max(diff),
