@@ -819,7 +819,9 @@ sm_90 (`tools/gemv_sass.py --x-widen`), the K loops' instructions per weight fal
 -> 5.89), Q8_0_R 5.81 -> 5.03, Q5_1_R 6.38 -> 5.88, Q6_K_R 6.31 -> 5.83 with the same loads
 (bench/results/2026-12-04-cpu-gemv-sass-x-widen.json). In the step on an H200 the 4K replay fell 4.369-4.382 ->
 4.310-4.316 ms (bench/results/2026-12-05-h200-step-variants-c3cce2d.json, `x-widen:1`), and the row-register
-GEMVs give the same outputs both ways there (`tools/gpu_check_gemv.py`: bf16_widen_differing 0)."""
+GEMVs give the same outputs both ways there (`tools/gpu_check_gemv.py`: bf16_widen_differing 0). "free" is a
+timing probe only (`_xf`: no widening, wrong values): on an H100 the 4K replay 4.608-4.613 -> 4.542-4.543 ms
+(bench/results/2026-12-06-h100-step-variants-fe85101.json), what the widening costs at most."""
 
 
 def preload_steps(kind: str, steps: int, q8x: bool = False) -> int:
