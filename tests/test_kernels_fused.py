@@ -105,29 +105,6 @@ def test_gdn_step_one_launch_equals_two(monkeypatch, order, gate, dtype, K, bloc
     assert torch.equal(one.conv[:, -1], x[0])  # the last token is the window's last tap
 
 
-def test_gdn_step_records_its_output_in_load_order(monkeypatch):
-    """With `gemv_rr.X_LOAD_ORDER` the one-launch step also stores its output in the Q8_0_R load order (by the
-    program that normalises each head) and records it for the out projection; the output is unchanged."""
-    from strata.kernels import gemv_rr
-
-    cfg = config(linear_num_key_heads=2, linear_num_value_heads=4, linear_value_head_dim=64)
-    g = torch.Generator().manual_seed(8)
-    C, nv, dk, dv = (cfg.gdn_conv_dim, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                     cfg.linear_value_head_dim)
-    assert nv * dv % 256 == 0
-    rnd = lambda *s: torch.randn(*s, generator=g)
-    prm = GDNParams(rnd(C, 4) * 0.5, -torch.rand(nv, generator=g) * 2, rnd(nv), rnd(dv), "grouped")
-    one = GDNState(rnd(C, 3).to(torch.bfloat16), rnd(nv, dk, dv))
-    two = one.clone()
-    x, z, b, a = (t.to(torch.bfloat16) for t in (rnd(1, C), rnd(1, nv * dv), rnd(1, nv), rnd(1, nv)))
-    plain = gdn.gdn_step(x, z, b, a, prm, one, cfg, block_v=8)
-    assert gemv_rr.recorded_x_load_order(plain) is None
-    monkeypatch.setattr(gemv_rr, "X_LOAD_ORDER", True)
-    got = gdn.gdn_step(x, z, b, a, prm, two, cfg, block_v=8)
-    assert torch.equal(got, plain)
-    assert torch.equal(gemv_rr.recorded_x_load_order(got), gemv_rr.to_load_order(got))
-
-
 class _PoisonedUnits:
     """`torch` for the GDN module, except that int8 `empty` tensors (Q8 units) are filled with -128, which no
     quantized value or scale byte pattern the tests meet holds: a unit byte left unwritten shows."""
@@ -227,29 +204,6 @@ def test_attend_q8_units_are_the_quantized_output(monkeypatch, tile):
     assert torch.equal(xq, gemv_q8x.quantize(got.clone(), "Q8_0_R"))
     single = attention.attend(q, state, idx, ok, cfg, gate, split=128, q8_span=8)
     assert gemv_rr.recorded_q8x(single, 8) is None
-
-
-def test_attend_records_its_output_in_load_order(monkeypatch):
-    """With `gemv_rr.X_LOAD_ORDER` the merge programs also store the output in the Q8_0_R load order and record it
-    for the o projection; the output is unchanged. One split (no merge): nothing recorded."""
-    from strata.kernels import gemv_rr
-
-    cfg = config(head_dim=64, indexer_head_dim=64)
-    g = torch.Generator().manual_seed(6)
-    state = QSAState.empty(cfg, torch.bfloat16, "cpu", 64)
-    state.k.normal_(generator=g)
-    state.v.normal_(generator=g)
-    qg = torch.randn(1, 4, 128, generator=g).to(torch.bfloat16)
-    q, gate = qg[..., :64], qg[..., 64:]
-    idx = torch.randint(0, 64, (1, 100), generator=g)
-    ok = torch.rand(1, 100, generator=g) > 0.3
-    plain = attention.attend(q, state, idx, ok, cfg, gate, split=32)
-    assert gemv_rr.recorded_x_load_order(plain) is None
-    monkeypatch.setattr(gemv_rr, "X_LOAD_ORDER", True)
-    got = attention.attend(q, state, idx, ok, cfg, gate, split=32)
-    assert torch.equal(got, plain)
-    assert torch.equal(gemv_rr.recorded_x_load_order(got), gemv_rr.to_load_order(got))
-    assert gemv_rr.recorded_x_load_order(attention.attend(q, state, idx, ok, cfg, gate, split=128)) is None
 
 
 @pytest.mark.parametrize("W,split,dtype", [(11, None, torch.float32), (70, 32, torch.float32),

@@ -316,28 +316,3 @@ def test_tile_major_weights_change_no_bit(kind: str, pre: int, rr_calls, monkeyp
     assert not torch.equal(t, w) and torch.equal(_rr.tile_major(t, kind, 4, 2, undo=True), w)
     with pytest.raises(StrataError, match="tiles of 3 rows"):
         _rr.tile_major(w, kind, 3, 1)
-
-
-def test_x_in_load_order_changes_no_bit(rr_calls) -> None:
-    """Q8_0_R launches whose x has a recorded copy in the load order (`gemv_rr.record_x_load_order`) read the copy:
-    plain, GLU and K split give the bits of the row-order launches (the same values, the same products), and a
-    copy holding other values changes them (the copy is what they read). Other kinds ignore it."""
-    rng = np.random.default_rng(zlib_seed("Q8_0_R") + 11)
-    k = 2048
-    w, _ = ggml_rows("Q8_0_R", 12, k, rng)
-    x = (torch.randn(1, k, generator=torch.Generator().manual_seed(8)) * 0.1).to(torch.bfloat16)
-    lo = _rr.to_load_order(x)
-    assert not torch.equal(lo, x) and torch.equal(lo.sort().values, x.sort().values)
-
-    def launches() -> list[torch.Tensor]:
-        return [G.gemv(x, w, "Q8_0_R", k), G.gemv_glu(x, w, w, "Q8_0_R", k), G.gemv(x, w, "Q8_0_R", k, split_k=4)]
-
-    plain = launches()
-    _rr.record_x_load_order(x, lo)
-    assert _rr.recorded_x_load_order(x.reshape(k)) is not None
-    assert all(torch.equal(a, b) for a, b in zip(launches(), plain, strict=True))
-    _rr.record_x_load_order(x, x)  # row order where the load order is expected: other products
-    assert all(not torch.equal(a, b) for a, b in zip(launches(), plain, strict=True))
-    w4, _ = ggml_rows("Q4_K_R", 12, k, rng)
-    assert torch.equal(G.gemv(x, w4, "Q4_K_R", k), G.gemv(x.clone(), w4, "Q4_K_R", k))
-    assert rr_calls == ["Q8_0_R"] * 9 + ["Q4_K_R"] * 2

@@ -216,22 +216,3 @@ def test_q8_units_need_a_hidden_size_of_whole_units():
     x, norm, down, up, inject = make(S, H, R, torch.float32, seed=3)
     a, _ = hyper.hc_read(x, norm, down, up, inject, S, EPS, q8_span=gemv_q8x.UNITS_SPAN)
     assert gemv_rr.recorded_q8x(a, gemv_q8x.UNITS_SPAN) is None
-
-
-@pytest.mark.parametrize("write", [False, True])
-def test_copy_in_load_order_is_recorded(write, monkeypatch):
-    """With `gemv_rr.X_LOAD_ORDER` the up kernel also stores a in the Q8_0_R load order and records it: the copy is
-    `to_load_order(a)`, a itself unchanged; without it nothing is recorded."""
-    from strata.kernels import gemv_rr
-
-    S, H, R = 4, 512, 24
-    x, norm, down, up, inject = make(S, H, R, torch.bfloat16, seed=9 + write)
-    args = (norm, down, up, inject, S, EPS)
-    wr = (inject.tensor[:, 0].reshape(1, S).float().sigmoid().to(torch.bfloat16), x[:, :H].flip(-1)) if write else ()
-    call = hyper.hc_write_read if write else hyper.hc_read
-    plain = call(x, *wr, *args)
-    assert gemv_rr.recorded_x_load_order(plain[-2]) is None
-    monkeypatch.setattr(gemv_rr, "X_LOAD_ORDER", True)
-    got = call(x, *wr, *args)
-    assert all(torch.equal(g, p) for g, p in zip(got, plain, strict=True))
-    assert torch.equal(gemv_rr.recorded_x_load_order(got[-2]), gemv_rr.to_load_order(got[-2]))

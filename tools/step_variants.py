@@ -20,9 +20,6 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   release:after-loop         launches by expert ids let the next kernel in only after their K loop
                              (`gemv_rr.RELEASE["ids"]`)
   gdn:BV                     the GDN step with BV value columns per program (`gdn.gdn_step`'s block_v)
-  x-order:0|1                the HC reads, the GDN step and the attention merge also store their outputs in the
-                             Q8_0_R load order, which the Q8_0_R GEMVs then read (1), or not (0)
-                             (`gemv_rr.X_LOAD_ORDER`)
   gdn-early:0|1              the GDN step loads its stored weights before its PDL wait and the gate inputs of
                              its head right after it (1), or as the norm needs them (0) (`gdn.EARLY_LOADS`)
   preload:KIND:N             row-register launches of KIND load N K-loop steps before their PDL wait
@@ -104,8 +101,7 @@ BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attent
         "hc_read_defaults": hyper.hc_read_defaults, "launch_shape": gemv_rr.launch_shape,
         "SETTLED_IDS": kernel_ops.SETTLED_IDS, "RELEASE": dict(gemv_rr.RELEASE), "rr_launch": gemv_rr.launch,
         "LATE_RELEASE": dict(pdl.LATE_RELEASE), "WIDEN_X_ASM": gemv_rr.WIDEN_X_ASM,
-        "gdn_step": gdn.gdn_step, "GDN_EARLY_LOADS": gdn.EARLY_LOADS, "X_LOAD_ORDER": gemv_rr.X_LOAD_ORDER,
-        "PRELOAD": dict(gemv_rr.PRELOAD),
+        "gdn_step": gdn.gdn_step, "GDN_EARLY_LOADS": gdn.EARLY_LOADS, "PRELOAD": dict(gemv_rr.PRELOAD),
         "GEMV_TYPE_NAMES": dict(kernel_gemv.GEMV_TYPE_NAMES), "greedy_token": graph.greedy_token,
         "GEMM_MIN_TOKENS": kernel_ops.GEMM_MIN_TOKENS,
         "GEMM_SHAPE": (experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS), "quantize": gemv_q8x.quantize,
@@ -227,7 +223,6 @@ def apply(variant: str) -> dict:
     pdl.LATE_RELEASE.update(BASE["LATE_RELEASE"])
     gdn.gdn_step = BASE["gdn_step"]
     gdn.EARLY_LOADS = BASE["GDN_EARLY_LOADS"]
-    gemv_rr.X_LOAD_ORDER = BASE["X_LOAD_ORDER"]
     gemv_q8x.quantize = BASE["quantize"]
     gemv_rr.WIDEN_X_ASM = BASE["WIDEN_X_ASM"]
     graph.greedy_token = BASE["greedy_token"]
@@ -261,8 +256,6 @@ def _apply_one(variant: str) -> dict:
         kernel_gemv.GEMV_TYPE_NAMES[t.name] = kernel_gemv.GEMV_TYPES[t.type_id] = t
     elif name == "preload" and len(args) in (2, 3):  # preload:KIND:N or preload:q8:KIND:N
         gemv_rr.PRELOAD[":".join(args[:-1])] = int(args[-1])
-    elif name == "x-order" and args in (["0"], ["1"]):
-        gemv_rr.X_LOAD_ORDER = args[0] == "1"
     elif name == "gdn-early" and args in (["0"], ["1"]):
         gdn.EARLY_LOADS = args[0] == "1"
     elif name == "gdn" and len(args) == 1:

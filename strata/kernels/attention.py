@@ -31,7 +31,7 @@ import triton.language as tl
 
 from strata.config import ModelConfig
 from strata.kernels import gemv_q8x, gemv_rr, pdl
-from strata.kernels.gemv_rr import load_order_index, store_q8x_runs
+from strata.kernels.gemv_rr import store_q8x_runs
 from strata.kernels.select import (expand_blocks, select_blocks, select_blocks_ranked, select_blocks_wide,
                                   wide_supported)
 from strata.model import topk
@@ -117,16 +117,14 @@ def _gated(o, g_ptrs, mask, DT: tl.constexpr):
 
 
 @triton.jit
-def _attn_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, gate_ptr, xq_ptr, lo_ptr, HQ, HD, NS, s_outl, s_gl, s_gh,
-                       s_xql, BS: tl.constexpr, BD: tl.constexpr, ONE_PASS: tl.constexpr, DT: tl.constexpr,
-                       GATE: tl.constexpr, Q8: tl.constexpr = 0, XLO: tl.constexpr = False,
-                       GDC: tl.constexpr = False):
+def _attn_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, gate_ptr, xq_ptr, HQ, HD, NS, s_outl, s_gl, s_gh, s_xql,
+                       BS: tl.constexpr, BD: tl.constexpr, ONE_PASS: tl.constexpr, DT: tl.constexpr,
+                       GATE: tl.constexpr, Q8: tl.constexpr = 0, GDC: tl.constexpr = False):
     """out[l, h, BD dims] from the NS splits' (max, sum, partial output) of head h. ONE_PASS (NS <= BS): every
     split's max, sum and partial dims loaded at once, one dependent round trip; else BS splits at a time after
     a first pass for the max (a (splits x dims) tile would not fit in registers). Q8 (a word span of
     `gemv_rr.Q8X_ORDER`, 0: none; BD a multiple of 32 dividing HD): the program also stores its dims as Q8 units
-    to xq (`gemv_rr.store_q8x_runs`), for the o projection's Q8 GEMV. XLO: the output is also stored in the
-    Q8_0_R load order to lo (rows of s_outl values; `gemv_rr.X_LOAD_ORDER`)."""
+    to xq (`gemv_rr.store_q8x_runs`), for the o projection's Q8 GEMV."""
     pdl.started(GDC)
     pdl.wait(GDC)
     l = tl.program_id(0)
@@ -163,8 +161,6 @@ def _attn_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, gate_ptr, xq_ptr, lo_ptr,
     if GATE:
         o = _gated(o, gate_ptr + l * s_gl + h * s_gh + d, dm, DT)
     tl.store(out_ptr + l * s_outl + h * HD + d, o.to(DT), mask=dm)
-    if XLO:
-        tl.store(lo_ptr + l * s_outl + load_order_index(h * HD + d), o.to(DT), mask=dm)
     if Q8 > 0:
         tl.debug_barrier()  # every thread's dims are stored before they are read back
         rr = (h * HD + tl.program_id(2) * BD) // 32 + tl.arange(0, BD // 32)[:, None]
@@ -238,15 +234,12 @@ def attend(q: torch.Tensor, state: QSAState, idx: torch.Tensor, ok: torch.Tensor
         bs = min(nsp, max(1, merge_tile // bd))
         emit = q8_span is not None and bd % 32 == 0 and hd % bd == 0 and hq * hd % gemv_q8x.UNIT_VALUES == 0
         xq = torch.empty(L, gemv_q8x.row_bytes(hq * hd), dtype=torch.int8, device=dev) if emit else out
-        lo = gemv_rr.x_load_order_copy(out)
         _attn_merge_kernel[(L, hq, triton.cdiv(hd, bd))](
-            m, lsum, acc, out, g, xq, lo if lo is not None else out, hq, hd, ns, out.stride(0), g.stride(0),
-            g.stride(1), xq.stride(0), BS=bs, BD=bd, ONE_PASS=bs >= ns, DT=TL_DTYPES[q.dtype], GATE=gate is not None,
-            Q8=q8_span if emit else 0, XLO=lo is not None, **pdl.launch(dev))
+            m, lsum, acc, out, g, xq, hq, hd, ns, out.stride(0), g.stride(0), g.stride(1), xq.stride(0), BS=bs,
+            BD=bd, ONE_PASS=bs >= ns, DT=TL_DTYPES[q.dtype], GATE=gate is not None, Q8=q8_span if emit else 0,
+            **pdl.launch(dev))
         if emit:
             gemv_rr.record_q8x(out, xq, q8_span)
-        if lo is not None:
-            gemv_rr.record_x_load_order(out, lo)
     return out
 
 

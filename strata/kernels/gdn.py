@@ -42,7 +42,7 @@ import triton.language as tl
 from strata.config import ModelConfig
 from strata.kernels import gemv_q8x, gemv_rr, pdl
 from strata.kernels.gemv import tickets
-from strata.kernels.gemv_rr import load_order_index, store_q8x_runs
+from strata.kernels.gemv_rr import store_q8x_runs
 from strata.model.gdn import GDNParams
 from strata.runtime.state import GDNState
 
@@ -102,12 +102,12 @@ def _window_store(win_ptr, ch, n, nxt, K: tl.constexpr, KP: tl.constexpr):
 
 
 @triton.jit
-def _gated_norm(o_ptr, z, w, out_ptr, lo_ptr, j, n, DV, eps, BD: tl.constexpr, SILU_GATE: tl.constexpr,
-                DT: tl.constexpr, XLO: tl.constexpr = False):
+def _gated_norm(o_ptr, z, w, out_ptr, j, n, DV, eps, BD: tl.constexpr, SILU_GATE: tl.constexpr,
+                DT: tl.constexpr):
     """out[j] = RMSNorm(o[j]) * w * gate(z) for value head j, with the reference's roundings (z: the head's gate
     inputs, `_gate_inputs`; w: the norm weight, `_norm_weight`); elements d < n only (n = DV, or 0 for a program
     that is not to store). o is read past L1 (`.cg`): other programs of the launch may have written
-    it. XLO: the output is also stored in the Q8_0_R load order to lo (`gemv_rr.X_LOAD_ORDER`)."""
+    it."""
     d = tl.arange(0, BD)
     dm = d < n
     o = tl.load(o_ptr + j * DV + d, mask=dm, other=0.0, cache_modifier=".cg").to(tl.float32)
@@ -118,10 +118,7 @@ def _gated_norm(o_ptr, z, w, out_ptr, lo_ptr, j, n, DV, eps, BD: tl.constexpr, S
         gate = z * tl.sigmoid(z)
     else:
         gate = tl.sigmoid(z)
-    y = (p * gate).to(DT)
-    tl.store(out_ptr + j * DV + d, y, mask=dm)
-    if XLO:
-        tl.store(lo_ptr + load_order_index(j * DV + d), y, mask=dm)
+    tl.store(out_ptr + j * DV + d, (p * gate).to(DT), mask=dm)
 
 
 @triton.jit
@@ -140,19 +137,18 @@ def _gate_inputs(z_ptr, j, n, DV, BD: tl.constexpr):
 
 @triton.jit
 def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr, S_ptr, o_ptr,
-                     z_ptr, nw_ptr, out_ptr, cnt_ptr, xq_ptr, lo_ptr,
+                     z_ptr, nw_ptr, out_ptr, cnt_ptr, xq_ptr,
                      NK, NV, DK, DV, KEY_DIM, REP, NVB, q_scale, eps,
                      K: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr,
                      TILED: tl.constexpr, SILU: tl.constexpr, SILU_GATE: tl.constexpr, DT: tl.constexpr,
                      FUSED: tl.constexpr, Q8: tl.constexpr = 0, GDC: tl.constexpr = False,
-                     LATE: tl.constexpr = False, EARLY: tl.constexpr = True, XLO: tl.constexpr = False):
+                     LATE: tl.constexpr = False, EARLY: tl.constexpr = True):
     """The step of one (dk, BV) state slab; with FUSED also the gated norm and the conv window shift (tickets
     in cnt: NV value-head counters, then NK key-head counters), else `_gdn_out_kernel` does those. Q8 (with
     FUSED; a word span of `gemv_q8x.ORDER`, 0: none): the program that normalises a head also stores it as Q8
     units to xq (`gemv_rr.store_q8x_runs`; DV a multiple of 32). EARLY (`EARLY_LOADS`): the stored weights (conv
     taps, A, dt bias, norm weight) are loaded before the PDL wait and the head's gate inputs z right after it,
-    with the state, instead of by the last program after its tickets; the same values either way. XLO (with
-    FUSED): the output is also stored in the Q8_0_R load order to lo (`gemv_rr.X_LOAD_ORDER`)."""
+    with the state, instead of by the last program after its tickets; the same values either way."""
     if not LATE:
         pdl.started(GDC)
     j = tl.program_id(0)  # value head
@@ -232,7 +228,7 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
         if not EARLY:  # loaded by the last program only
             nw = _norm_weight(nw_ptr, DV * vlast, DT, BD)
             z = _gate_inputs(z_ptr, j, DV * vlast, DV, BD)
-        _gated_norm(o_ptr, z, nw, out_ptr, lo_ptr, j, DV * vlast, DV, eps, BD, SILU_GATE, DT, XLO)
+        _gated_norm(o_ptr, z, nw, out_ptr, j, DV * vlast, DV, eps, BD, SILU_GATE, DT)
         tl.atomic_add(vcnt, -NVB * vlast, sem="relaxed", scope="gpu")
         if Q8 > 0:
             tl.debug_barrier()  # the head's outputs are stored before they are read back
@@ -249,8 +245,8 @@ def _gdn_out_kernel(o_ptr, z_ptr, nw_ptr, out_ptr, x_ptr, win_ptr, DV, C, CH_PER
     pdl.started(GDC)
     pdl.wait(GDC)
     j = tl.program_id(0)
-    _gated_norm(o_ptr, _gate_inputs(z_ptr, j, DV, DV, BD), _norm_weight(nw_ptr, DV, DT, BD), out_ptr, out_ptr, j,
-                DV, DV, eps, BD, SILU_GATE, DT)
+    _gated_norm(o_ptr, _gate_inputs(z_ptr, j, DV, DV, BD), _norm_weight(nw_ptr, DV, DT, BD), out_ptr, j, DV, DV,
+                eps, BD, SILU_GATE, DT)
 
     # shift this program's share of the conv window (channels j * CH_PER .. up to C)
     end = tl.minimum(j * CH_PER + CH_PER, C)
@@ -296,21 +292,16 @@ def gdn_step(x: torch.Tensor, z: torch.Tensor, b: torch.Tensor, alpha: torch.Ten
     out = torch.empty(1, nv * dv, dtype=dt, device=x.device)
     emit = q8_span is not None and cnt is not None and dv % 32 == 0 and nv * dv % gemv_q8x.UNIT_VALUES == 0
     xq = torch.empty(1, gemv_q8x.row_bytes(nv * dv), dtype=torch.int8, device=x.device) if emit else None
-    lo = gemv_rr.x_load_order_copy(out) if cnt is not None else None
     # one launch: the q / k / v channels of the step's programs cover all C = 2 * key_dim + nv * dv channels
     # once each (asserted above), so each is shifted once
     _gdn_step_kernel[(nv, nvb)](
         x, b, alpha, convw, state.conv, A, dtb, state.recurrent, o, z, nw, out, cnt if cnt is not None else o,
-        xq if emit else o, lo if lo is not None else o, nk, nv, dk, dv, cfg.gdn_key_dim, nv // nk, nvb,
-        dk ** -0.5, cfg.rms_norm_eps,
+        xq if emit else o, nk, nv, dk, dv, cfg.gdn_key_dim, nv // nk, nvb, dk ** -0.5, cfg.rms_norm_eps,
         K=K, KP=triton.next_power_of_2(K), BK=triton.next_power_of_2(dk), BV=bv, BD=bd,
         TILED=prm.value_order == "tiled", SILU=cfg.hidden_act == "silu", SILU_GATE=silu_gate, DT=TL_DTYPES[dt],
-        FUSED=cnt is not None, Q8=q8_span if emit else 0, EARLY=EARLY_LOADS, XLO=lo is not None,
-        **pdl.launch(x.device, "gdn_step"))
+        FUSED=cnt is not None, Q8=q8_span if emit else 0, EARLY=EARLY_LOADS, **pdl.launch(x.device, "gdn_step"))
     if emit:
         gemv_rr.record_q8x(out, xq, q8_span)
-    if lo is not None:
-        gemv_rr.record_x_load_order(out, lo)
     if cnt is None:  # no ticket counters on this stream: the norm and shift in a second launch
         ch_per = triton.cdiv(C, nv)
         _gdn_out_kernel[(nv,)](

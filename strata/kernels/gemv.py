@@ -766,11 +766,9 @@ def _launch_rr(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor 
     if tile and (tile != (br // 2 if glu else br) or split != 1 or n % tile):
         raise ValueError(f"tile-major weights in tiles of {tile} rows, but the launch takes {br // 2 if glu else br} "
                          f"rows of {n} per program, K split {split}")
-    xlo = gemv_rr.recorded_x_load_order(x) if t.name == "Q8_0_R" and not q8x else None
-    gemv_rr.launch(t.name, x if xlo is None else xlo, w, ids, out, n, k, slots, w_slot_stride, x_slot_stride,
-                   out_slot_stride, up, up_slot_stride, (br, sbc, warps, split), _split_sum, part, cnt, slot_weights,
-                   pdl.launch(x.device), ids_early=ids_settled, q8x=q8x, q_out=q_out, tile=tile,
-                   x_load_order=xlo is not None)
+    gemv_rr.launch(t.name, x, w, ids, out, n, k, slots, w_slot_stride, x_slot_stride, out_slot_stride, up,
+                   up_slot_stride, (br, sbc, warps, split), _split_sum, part, cnt, slot_weights,
+                   pdl.launch(x.device), ids_early=ids_settled, q8x=q8x, q_out=q_out, tile=tile)
     if q_out is not None:
         gemv_rr.record_q8x(out, *q_out)
     return True

@@ -169,30 +169,17 @@ def _q8_0_r_load(wp, hp, g, blk, k, D_STRIDE):
 
 
 @triton.jit
-def _q8_0_r_fma_at(acc, raw, xb, XB: tl.constexpr, base, ASM: tl.constexpr, XA: tl.constexpr):
-    """acc += one Q8_0_R chunk's weights times x, whose values for byte b of the thread's words v0 / v1 are at
-    xb + XB b and xb + XB b + XB / 2."""
+def _q8_0_r_fma(acc, raw, xp, sb, s, blk, k, base, ASM: tl.constexpr, XA: tl.constexpr):
+    """acc += one Q8_0_R chunk's weights (of groups sb + s) times x."""
     v0, v1, d = raw
     d = d.to(tl.float32)
     scale = 32768.0 * d
     shift = 32896.0 * d
+    xb = xp + (sb + s) * 256 + blk * 32 + k
     for b in tl.static_range(4):
-        acc += tl.fma(_byte(v0, base, b, ASM), scale, -shift) * _xf(tl.load(xb + XB * b), XA)
-        acc += tl.fma(_byte(v1, base, b, ASM), scale, -shift) * _xf(tl.load(xb + XB * b + XB // 2), XA)
+        acc += tl.fma(_byte(v0, base, b, ASM), scale, -shift) * _xf(tl.load(xb + 8 * b), XA)
+        acc += tl.fma(_byte(v1, base, b, ASM), scale, -shift) * _xf(tl.load(xb + 8 * b + 4), XA)
     return acc
-
-
-@triton.jit
-def _q8_0_r_fma(acc, raw, xp, sb, s, blk, k, base, ASM: tl.constexpr, XA: tl.constexpr):
-    """acc += one Q8_0_R chunk's weights (of groups sb + s) times x."""
-    return _q8_0_r_fma_at(acc, raw, xp + (sb + s) * 256 + blk * 32 + k, 8, base, ASM, XA)
-
-
-@triton.jit
-def _q8_0_r_fma_lo(acc, raw, xp, sb, s, blk, k, base, ASM: tl.constexpr, XA: tl.constexpr):
-    """`_q8_0_r_fma` with x in the Q8_0_R load order (`to_load_order`): a warp's 8 blocks' pieces of one x load
-    side by side, one 64-byte run (bf16) instead of 8 pieces 64 bytes apart."""
-    return _q8_0_r_fma_at(acc, raw, xp + (sb + s) * 256 + blk * 4 + k, 64, base, ASM, XA)
 
 
 @triton.jit
@@ -203,9 +190,8 @@ def _q8_0_r_step_load(wp, g, blk, k, D_STRIDE):
 @triton.jit
 def _q8_0_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, BR: tl.constexpr,
                  ASM: tl.constexpr, GDC: tl.constexpr, REL: tl.constexpr = False, XA: tl.constexpr = False,
-                 PRE: tl.constexpr = 1, XQ: tl.constexpr = False, SS: tl.constexpr = 0, XLO: tl.constexpr = False):
-    """`_super_block_rows` for Q8_0_R rows: NCH groups of 256 weights; XLO: x in the load order
-    (`to_load_order`)."""
+                 PRE: tl.constexpr = 1, XQ: tl.constexpr = False, SS: tl.constexpr = 0):
+    """`_super_block_rows` for Q8_0_R rows: NCH groups of 256 weights."""
     wp = rp.to(tl.pointer_type(tl.int32))[:, None, None, None]
     s = tl.arange(0, SBC)[None, :, None, None]
     blk = tl.arange(0, 8)[None, None, :, None]
@@ -213,9 +199,6 @@ def _q8_0_r_rows(rp, xp, base, D_STRIDE, NCH: tl.constexpr, SBC: tl.constexpr, B
     if XQ:
         return _k_loop(wp, xp, s, blk, k, base, D_STRIDE, NCH // SBC, SBC, BR, _q8_0_r_step_load, _q8_0_r_q8x_fma,
                        ASM, XA, GDC, REL, PRE, 8, 1, SS)
-    elif XLO:
-        return _k_loop(wp, xp, s, blk, k, base, D_STRIDE, NCH // SBC, SBC, BR, _q8_0_r_step_load, _q8_0_r_fma_lo,
-                       ASM, XA, GDC, REL, PRE, 8, 4, SS)
     else:
         return _k_loop(wp, xp, s, blk, k, base, D_STRIDE, NCH // SBC, SBC, BR, _q8_0_r_step_load, _q8_0_r_fma, ASM,
                        XA, GDC, REL, PRE, 8, 4, SS)
@@ -586,8 +569,7 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
                HAS_IDS: tl.constexpr, ASM: tl.constexpr, SPLIT_SUM: tl.constexpr, SPLIT: tl.constexpr = 1,
                SLOT_SUM: tl.constexpr = 0, IDS_EARLY: tl.constexpr = False, RELEASE: tl.constexpr = 0,
                PRE: tl.constexpr = 1, XW: tl.constexpr = False, XQ: tl.constexpr = False, QOUT: tl.constexpr = 0,
-               PROBE: tl.constexpr = False, TILE: tl.constexpr = 0, XLO: tl.constexpr = False,
-               GDC: tl.constexpr = False):
+               PROBE: tl.constexpr = False, TILE: tl.constexpr = 0, GDC: tl.constexpr = False):
     """out[slot, rows] = W[slot's matrix][rows] . x[slot], or with GLU act(G . x) * (U . x), for one token.
 
     Program (i, slot, s): BR rows of the matrix of `slot` (expert ids[slot] when HAS_IDS), or with GLU BR / 2 rows
@@ -618,10 +600,7 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
 
     TILE > 0 (`tile_major`): the matrices are stored in tiles of TILE rows (a program's rows of one matrix), each
     tile step by step: [N / TILE, loop steps, TILE, SBC chunks], so that a program's words of one step lie
-    together; row strides are then ignored.
-
-    XLO (Q8_0_R, float x): x is stored in the Q8_0_R load order (`to_load_order`), as its producer wrote it
-    (`record_x_load_order`): the same values at other offsets, so the same products."""
+    together; row strides are then ignored."""
     if PROBE:
         t_start = globaltimer()
     if HAS_IDS and not IDS_EARLY:
@@ -670,7 +649,7 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
                                 GDC and (IDS_EARLY or not HAS_IDS), KIND == "Q6_K_R", REL, XA, PRE, XQ, SBC * TILE)
     elif KIND == "Q8_0_R":
         res = _q8_0_r_rows(rp, xp, tl.full([BR, SBC, 8, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
-                           GDC and (IDS_EARLY or not HAS_IDS), REL, XA, PRE, XQ, SBC * TILE, XLO)
+                           GDC and (IDS_EARLY or not HAS_IDS), REL, XA, PRE, XQ, SBC * TILE)
     else:
         res = _q5_1_r_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, D_STRIDE, NC, SBC, BR, ASM,
                            GDC and (IDS_EARLY or not HAS_IDS), PRE, REL, XA, XQ, SBC * TILE)
@@ -724,41 +703,21 @@ Q8X_UNIT = (128, 160)
 """(values, bytes) of a unit of Q8 activations as the kernel reads them (`strata.kernels.gemv_q8x.quantize`): the
 128 int8 values of four runs of 32, each run's bytes in its consumer's order, then each run's (d, s) as fp32."""
 
-_RECORDS: dict[tuple[str, int], tuple[weakref.ref, int | None, object, torch.Tensor]] = {}
-"""Other forms of a GEMV input that its producer wrote in the same launch, by (form, x's address): `record_q8x`,
-`record_x_load_order`."""
-
-
-def _record(form: str, x: torch.Tensor, tag: object, payload: torch.Tensor) -> None:
-    """Record `payload` as x's `form` (with `tag`). The record dies with x and no longer applies once x is changed
-    in place by torch (its version counter moves; inference tensors have none, and the model changes no op's
-    output in place)."""
-    key = (form, x.data_ptr())
-
-    def forget(ref: weakref.ref, key: tuple[str, int] = key, records: dict = _RECORDS) -> None:
-        if records.get(key, (None,))[0] is ref:
-            del records[key]
-
-    _RECORDS[key] = (weakref.ref(x, forget), _version(x), tag, payload)
-
-
-def _recorded(form: str, x: torch.Tensor, tag: object) -> torch.Tensor | None:
-    """What `_record` recorded as x's `form` with `tag`: None where there is nothing, or x is not (all of) the
-    recorded tensor, or either was changed in place since."""
-    e = _RECORDS.get((form, x.data_ptr()))
-    t = e[0]() if e is not None else None
-    if (t is None or e[2] != tag or _version(x) != e[1] or _version(t) != e[1] or x.dtype != t.dtype
-            or x.numel() != t.numel() or not x.is_contiguous()
-            or x.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()):
-        return None
-    return e[3]
+_Q8X_RECORDS: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
 
 
 def record_q8x(x: torch.Tensor, units: torch.Tensor, span: int) -> None:
     """Record that x's producer also wrote x as Q8 units for words of `span` (`Q8X_ORDER`) into `units`, in the
     launch that wrote x: `gemv_q8x.quantize` of x (or of a view of all of it) then returns them and launches
-    nothing."""
-    _record("q8x", x, span, units)
+    nothing. The record dies with x and no longer applies once x is changed in place by torch (its version counter
+    moves; inference tensors have none, and the model changes no op's output in place)."""
+    key = x.data_ptr()
+
+    def forget(ref: weakref.ref, key: int = key) -> None:
+        if _Q8X_RECORDS.get(key, (None,))[0] is ref:
+            del _Q8X_RECORDS[key]
+
+    _Q8X_RECORDS[key] = (weakref.ref(x, forget), _version(x), span, units)
 
 
 def _version(x: torch.Tensor) -> int | None:
@@ -767,51 +726,14 @@ def _version(x: torch.Tensor) -> int | None:
 
 def recorded_q8x(x: torch.Tensor, span: int) -> torch.Tensor | None:
     """The units `record_q8x` recorded for x (rows, K) and `span`, or None."""
-    units = _recorded("q8x", x, span)
-    if units is None or tuple(units.shape) != (x.shape[0], x.shape[1] // Q8X_UNIT[0] * Q8X_UNIT[1]):
+    e = _Q8X_RECORDS.get(x.data_ptr())
+    t = e[0]() if e is not None else None
+    if (t is None or e[2] != span or _version(x) != e[1] or _version(t) != e[1] or x.dtype != t.dtype
+            or x.numel() != t.numel() or not x.is_contiguous()
+            or x.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+            or tuple(e[3].shape) != (x.shape[0], x.shape[1] // Q8X_UNIT[0] * Q8X_UNIT[1])):
         return None
-    return units
-
-
-X_LOAD_ORDER = False
-"""Whether the kernels that produce the Q8_0_R GEMVs' float inputs (the HC reads' up kernel, the GDN step, the
-attention merge) also store them in the Q8_0_R load order (`to_load_order`) and record that copy
-(`record_x_load_order`), which those launches then read: each warp-level x load one 64-byte run instead of 8
-pieces on 4 cache lines, the same values. Off until measured in the step (`tools/step_variants.py x-order:1`);
-the lab probe with every x load from one address bounds it (out projection 8.9 -> 7.0 us alone, the qkvz group
--7%)."""
-
-
-def to_load_order(x: torch.Tensor) -> torch.Tensor:
-    """x (..., K), K a multiple of 256, in the Q8_0_R load order: in each run of 256 values (a chunk), value 32 blk +
-    4 g + k (block blk, piece g of 4 values) moves to 32 g + 4 blk + k, so that the 8 blocks' pieces one warp-level
-    load takes (`_q8_0_r_fma_lo`) lie side by side."""
-    return x.reshape(*x.shape[:-1], -1, 8, 8, 4).transpose(-3, -2).reshape(x.shape)
-
-
-@triton.jit
-def load_order_index(i):
-    """The position of value i of a row in `to_load_order`'s layout (for producers storing that copy)."""
-    r = i % 256
-    return i - r + (r % 32) // 4 * 32 + r // 32 * 4 + r % 4
-
-
-def record_x_load_order(x: torch.Tensor, xlo: torch.Tensor) -> None:
-    """Record that x's producer also wrote x in the Q8_0_R load order (`to_load_order`) into xlo (x's shape and
-    dtype), in the launch that wrote x: the Q8_0_R launches that read x then read xlo (`gemv._launch_rr`)."""
-    _record("load-order", x, None, xlo)
-
-
-def recorded_x_load_order(x: torch.Tensor) -> torch.Tensor | None:
-    """The copy `record_x_load_order` recorded for x (or a view of all of it, in x's shape), or None."""
-    xlo = _recorded("load-order", x, None)
-    return None if xlo is None else xlo.view(x.shape)
-
-
-def x_load_order_copy(x: torch.Tensor) -> torch.Tensor | None:
-    """An empty tensor like x for the load-order copy its producer is about to write, or None where none is wanted
-    (`X_LOAD_ORDER` off, or the row not whole chunks)."""
-    return torch.empty_like(x) if X_LOAD_ORDER and x.shape[-1] % 256 == 0 else None
+    return e[3]
 
 
 CHUNK = {"Q4_K_R": (256, 144), "Q8_0_R": (256, 272), "Q5_1_R": (128, 96), "Q6_K_R": (256, 224)}
@@ -966,7 +888,7 @@ def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None
            up: torch.Tensor | None, up_slot_stride: int, shape: tuple[int, int, int, int], split_sum,
            part: torch.Tensor, cnt: torch.Tensor, slot_weights: torch.Tensor | None, gdc: dict,
            ids_early: bool = False, q8x: bool = False, q_out: tuple[torch.Tensor, int] | None = None,
-           tile: int = 0, x_load_order: bool = False) -> None:
+           tile: int = 0) -> None:
     """One launch over `slots` matrices (by `ids` when given) of n rows of k weights, in `shape`
     (`launch_shape`); `up` makes it the GLU (w is then the gate); `slot_weights` sums the slots into out's one row.
     Strides in elements of each tensor (bytes for the weights). The caller (`gemv._launch`) checked `covers`
@@ -995,7 +917,7 @@ def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None
         GLU=glu, HAS_IDS=ids is not None, ASM=x.device.type == "cuda", SPLIT_SUM=split_sum, SPLIT=split,
         SLOT_SUM=slots if slot_weights is not None else 0, IDS_EARLY=ids_early and ids is not None,
         RELEASE=RELEASE[cls], PRE=preload_steps(kind, k // CHUNK[kind][0] // (split * sbc), q8x), XW=WIDEN_X_ASM,
-        XQ=q8x, QOUT=q_out[1] if q_out is not None else 0, PROBE=rows is not None, TILE=tile, XLO=x_load_order,
+        XQ=q8x, QOUT=q_out[1] if q_out is not None else 0, PROBE=rows is not None, TILE=tile,
         num_warps=warps, **gdc)
 
 

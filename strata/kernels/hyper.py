@@ -42,7 +42,7 @@ import triton.language as tl
 from strata.kernels import gemv_q8x, gemv_rr, pdl
 from strata.kernels.attention import sm_count
 from strata.kernels.gemv import tickets
-from strata.kernels.gemv_rr import load_order_index, store_q8x_runs
+from strata.kernels.gemv_rr import store_q8x_runs
 from strata.weights.tensor import StoredTensor
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -135,11 +135,10 @@ def _hc_down_kernel(x_ptr, norm_ptr, down_ptr, inj_ptr, part_ptr, rstd_ptr, wi_p
 
 
 @triton.jit
-def _hc_up_kernel(x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, m_ptr, a_ptr, iota_ptr, xq_ptr, qcnt_ptr, alo_ptr, H,
-                  R, NI, RT, S: tl.constexpr, SP: tl.constexpr, NKC: tl.constexpr, BH: tl.constexpr,
-                  RC: tl.constexpr, NRC: tl.constexpr, NIP: tl.constexpr, DT: tl.constexpr, TICKETS: tl.constexpr,
-                  Q8: tl.constexpr = 0, XLO: tl.constexpr = False, GDC: tl.constexpr = False,
-                  LATE: tl.constexpr = False):
+def _hc_up_kernel(x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, m_ptr, a_ptr, iota_ptr, xq_ptr, qcnt_ptr, H, R, NI,
+                  RT, S: tl.constexpr, SP: tl.constexpr, NKC: tl.constexpr, BH: tl.constexpr, RC: tl.constexpr,
+                  NRC: tl.constexpr, NIP: tl.constexpr, DT: tl.constexpr, TICKETS: tl.constexpr,
+                  Q8: tl.constexpr = 0, GDC: tl.constexpr = False, LATE: tl.constexpr = False):
     """a[i] = mean_s GN(x)[s, i] * sigma((W_up m)[s*H + i]) for BH features i, m = SiLU((sum of the down
     partials) / S); the last program also writes iota = 2 sigma((sum of the inject partials) / S). The loads
     come first for the same reason as in the down kernel; the loop over NRC column chunks has no barrier, so
@@ -148,8 +147,7 @@ def _hc_up_kernel(x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, m_ptr, a_ptr, iot
     kernel, everything it wrote after. TICKETS: the down kernel finished m and iota (see there); m is loaded.
     LATE: `pdl.LATE_RELEASE`. Q8 (a word span of `gemv_q8x.ORDER`, 0: none): a is also stored as Q8 units
     (`gemv_rr.store_q8x_runs`) to xq, each run of 32 features by the last of its programs to draw a ticket from
-    qcnt (BH < 32), or by its program (BH >= 32). XLO: a is also stored in the Q8_0_R load order to alo
-    (`gemv_rr.X_LOAD_ORDER`)."""
+    qcnt (BH < 32), or by its program (BH >= 32)."""
     if not LATE:
         pdl.started(GDC)
     pid = tl.program_id(0)
@@ -194,10 +192,7 @@ def _hc_up_kernel(x_ptr, norm_ptr, rstd_ptr, up_ptr, part_ptr, m_ptr, a_ptr, iot
     gate = tl.sigmoid(acc.to(DT).to(tl.float32)).to(DT).to(tl.float32)
     xn = (xv * rs[:, None] * nv).to(DT).to(tl.float32)
     prod = tl.where(fm, (gate * xn).to(DT).to(tl.float32), 0.0)
-    a = tl.math.div_rn(tl.sum(prod, axis=0), S).to(DT)
-    tl.store(a_ptr + i, a, mask=i < H)
-    if XLO:
-        tl.store(alo_ptr + load_order_index(i), a, mask=i < H)
+    tl.store(a_ptr + i, tl.math.div_rn(tl.sum(prod, axis=0), S).to(DT), mask=i < H)
     if Q8 > 0:
         tl.debug_barrier()  # every thread's features are stored before the run is read back
         if BH < 32:
@@ -373,7 +368,6 @@ def _launch(x, write, norm, down, up, inject, streams, eps, block_rows, block_h,
     iota = torch.empty(1, max(ni, 1), dtype=dt, device=dev)
     qcnt = _q8_counters(dev, q8_span, H, bh)
     xq = torch.empty(1, gemv_q8x.row_bytes(H), dtype=torch.int8, device=dev) if qcnt is not None else None
-    alo = gemv_rr.x_load_order_copy(a)
     _hc_down_kernel[(row_blocks, nkc)](
         x, norm, wd, wi, part, rstd, inj_prev, y, x_new, cnt if cnt is not None else rstd, m, iota,
         H, R, ni, rt, nrbd, eps,
@@ -381,12 +375,9 @@ def _launch(x, write, norm, down, up, inject, streams, eps, block_rows, block_h,
         TICKETS=cnt is not None, num_warps=warps_down or d["warps_down"], **pdl.launch(dev, "hc_down"))
     _hc_up_kernel[(triton.cdiv(H, bh),)](
         x_new, norm, rstd, wu, part, m, a, iota, xq if xq is not None else m, qcnt if qcnt is not None else rstd,
-        alo if alo is not None else a, H, R, ni, rt, S=S, SP=triton.next_power_of_2(S), NKC=nkc, BH=bh, RC=rc,
-        NRC=triton.cdiv(R, rc), NIP=triton.next_power_of_2(ni) if ni else 0, DT=TL_DTYPES[dt],
-        TICKETS=cnt is not None, Q8=q8_span if xq is not None else 0, XLO=alo is not None,
-        num_warps=warps_up or d["warps_up"], **pdl.launch(dev, "hc_up"))
+        H, R, ni, rt, S=S, SP=triton.next_power_of_2(S), NKC=nkc, BH=bh, RC=rc, NRC=triton.cdiv(R, rc),
+        NIP=triton.next_power_of_2(ni) if ni else 0, DT=TL_DTYPES[dt], TICKETS=cnt is not None,
+        Q8=q8_span if xq is not None else 0, num_warps=warps_up or d["warps_up"], **pdl.launch(dev, "hc_up"))
     if xq is not None:
         gemv_rr.record_q8x(a, xq, q8_span)
-    if alo is not None:
-        gemv_rr.record_x_load_order(a, alo)
     return (x_new if write is not None else None), a, (iota if inject is not None else None)
