@@ -136,6 +136,16 @@ def _gate_inputs(z_ptr, j, n, DV, BD: tl.constexpr):
 
 
 @triton.jit
+def _step_weights(convw_ptr, A_ptr, dtb_ptr, j, kh, i, im, vcol, vm, DK, DV, KEY_DIM, K: tl.constexpr,
+                  KP: tl.constexpr):
+    """The stored weights a program of value head j (key head kh) uses: the conv taps of its q, k and v channels,
+    A and the dt bias (loads that may precede the PDL wait)."""
+    return (_conv_weights(convw_ptr, kh * DK + i, im, K, KP),
+            _conv_weights(convw_ptr, KEY_DIM + kh * DK + i, im, K, KP),
+            _conv_weights(convw_ptr, 2 * KEY_DIM + j * DV + vcol, vm, K, KP), tl.load(A_ptr + j), tl.load(dtb_ptr + j))
+
+
+@triton.jit
 def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr, S_ptr, o_ptr,
                      z_ptr, nw_ptr, out_ptr, cnt_ptr, xq_ptr,
                      NK, NV, DK, DV, KEY_DIM, REP, NVB, q_scale, eps,
@@ -162,11 +172,8 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
     vcol = vb * BV + tl.arange(0, BV)
     vm = vcol < DV
     if EARLY:
-        wq = _conv_weights(convw_ptr, kh * DK + i, im, K, KP)
-        wk = _conv_weights(convw_ptr, KEY_DIM + kh * DK + i, im, K, KP)
-        wv = _conv_weights(convw_ptr, 2 * KEY_DIM + j * DV + vcol, vm, K, KP)
-        a_log = tl.load(A_ptr + j)
-        dtb = tl.load(dtb_ptr + j)
+        wq, wk, wv, a_log, dtb = _step_weights(convw_ptr, A_ptr, dtb_ptr, j, kh, i, im, vcol, vm, DK, DV, KEY_DIM,
+                                               K, KP)
         if FUSED:
             nw = _norm_weight(nw_ptr, DV, DT, BD)
     pdl.wait(GDC)
@@ -175,11 +182,8 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
     if EARLY and FUSED:
         z = _gate_inputs(z_ptr, j, DV, DV, BD)
     if not EARLY:
-        wq = _conv_weights(convw_ptr, kh * DK + i, im, K, KP)
-        wk = _conv_weights(convw_ptr, KEY_DIM + kh * DK + i, im, K, KP)
-        wv = _conv_weights(convw_ptr, 2 * KEY_DIM + j * DV + vcol, vm, K, KP)
-        a_log = tl.load(A_ptr + j)
-        dtb = tl.load(dtb_ptr + j)
+        wq, wk, wv, a_log, dtb = _step_weights(convw_ptr, A_ptr, dtb_ptr, j, kh, i, im, vcol, vm, DK, DV, KEY_DIM,
+                                               K, KP)
 
     q = _conv_act(x_ptr, win_ptr, wq, kh * DK + i, im, K, KP, SILU, DT)
     k = _conv_act(x_ptr, win_ptr, wk, KEY_DIM + kh * DK + i, im, K, KP, SILU, DT)
