@@ -73,7 +73,7 @@ def _link_kernel(src_ptr, dst_ptr, w_ptr, cnt_in, cnt_out, ack_in, G_SRC, G,
 def chain_us(mode: str, programs: int, work: int, length: int, replays: int, dev: torch.device) -> float:
     """Microseconds per kernel of a captured chain of `length` launches."""
     bufs = torch.zeros(length + 1, programs, device=dev)
-    w = torch.randn(programs * max(work, 4) // 4, device=dev)
+    w = torch.randn(programs * max(work, 4) // 4, device=dev, generator=torch.Generator(dev).manual_seed(0))
     cnt = torch.zeros(length + 1, dtype=torch.int32, device=dev)
     ack = torch.zeros(length + 1, dtype=torch.int32, device=dev)
     cnt[0] = programs  # the chain's input is ready

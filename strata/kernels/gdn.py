@@ -54,13 +54,6 @@ every program its head's gate inputs right after it (`_gdn_step_kernel`'s EARLY)
 normalises a head finds them in registers after its ticket instead of loading them then. The same values either
 way; False for A/B runs (`tools/step_variants.py gdn-early:0`)."""
 
-STATE_EARLY = False
-"""Whether a captured step's GDN kernel loads its state slab before its PDL wait (`_gdn_step_kernel`'s
-STATE_EARLY). The state of a layer is written only by that layer's step: inside one graph replay by this very
-launch, and the previous replay has completed before this one starts, so in a captured step the slab may be read
-as early as a weight. An uncaptured launch reads it after its wait (in a stream of PDL launches an earlier step's
-kernel is not known to have finished when this one is scheduled). The same values either way."""
-
 
 @triton.jit
 def _conv_weights(w_ptr, ch, cmask, K: tl.constexpr, KP: tl.constexpr):
@@ -159,14 +152,13 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
                      K: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr,
                      TILED: tl.constexpr, SILU: tl.constexpr, SILU_GATE: tl.constexpr, DT: tl.constexpr,
                      FUSED: tl.constexpr, Q8: tl.constexpr = 0, GDC: tl.constexpr = False,
-                     LATE: tl.constexpr = False, EARLY: tl.constexpr = True, STATE_EARLY: tl.constexpr = False):
+                     LATE: tl.constexpr = False, EARLY: tl.constexpr = True):
     """The step of one (dk, BV) state slab; with FUSED also the gated norm and the conv window shift (tickets
     in cnt: NV value-head counters, then NK key-head counters), else `_gdn_out_kernel` does those. Q8 (with
     FUSED; a word span of `gemv_q8x.ORDER`, 0: none): the program that normalises a head also stores it as Q8
     units to xq (`gemv_rr.store_q8x_runs`; DV a multiple of 32). EARLY (`EARLY_LOADS`): the stored weights (conv
     taps, A, dt bias, norm weight) are loaded before the PDL wait and the head's gate inputs z right after it,
-    with the state, instead of by the last program after its tickets; the same values either way. STATE_EARLY
-    (`STATE_EARLY`, captured steps only): the state slab is loaded before the PDL wait."""
+    with the state, instead of by the last program after its tickets; the same values either way."""
     if not LATE:
         pdl.started(GDC)
     j = tl.program_id(0)  # value head
@@ -179,10 +171,6 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
     im = i < DK
     vcol = vb * BV + tl.arange(0, BV)
     vm = vcol < DV
-    sp_ptrs = S_ptr + j * DK * DV + i[:, None] * DV + vcol[None, :]
-    smask = im[:, None] & vm[None, :]
-    if STATE_EARLY:
-        S = tl.load(sp_ptrs, mask=smask, other=0.0, cache_modifier=".cg")
     if EARLY:
         wq, wk, wv, a_log, dtb = _step_weights(convw_ptr, A_ptr, dtb_ptr, j, kh, i, im, vcol, vm, DK, DV, KEY_DIM,
                                                K, KP)
@@ -214,9 +202,9 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
     sp = tl.where(sp_in < -15.0, tl.exp(sp_in), sp)  # log1p(e) for tiny e, where log(1 + e) rounds to 0
     decay = tl.exp(a_log * sp)
 
-    if not STATE_EARLY:
-        S = tl.load(sp_ptrs, mask=smask, other=0.0)
-    S = S * decay
+    sp_ptrs = S_ptr + j * DK * DV + i[:, None] * DV + vcol[None, :]
+    smask = im[:, None] & vm[None, :]
+    S = tl.load(sp_ptrs, mask=smask, other=0.0) * decay
     r = tl.sum(S * k[:, None], axis=0)
     delta = (v - r) * beta
     S = S + k[:, None] * delta[None, :]
@@ -315,9 +303,7 @@ def gdn_step(x: torch.Tensor, z: torch.Tensor, b: torch.Tensor, alpha: torch.Ten
         xq if emit else o, nk, nv, dk, dv, cfg.gdn_key_dim, nv // nk, nvb, dk ** -0.5, cfg.rms_norm_eps,
         K=K, KP=triton.next_power_of_2(K), BK=triton.next_power_of_2(dk), BV=bv, BD=bd,
         TILED=prm.value_order == "tiled", SILU=cfg.hidden_act == "silu", SILU_GATE=silu_gate, DT=TL_DTYPES[dt],
-        FUSED=cnt is not None, Q8=q8_span if emit else 0, EARLY=EARLY_LOADS,
-        STATE_EARLY=STATE_EARLY,
-        **pdl.launch(x.device, "gdn_step"))
+        FUSED=cnt is not None, Q8=q8_span if emit else 0, EARLY=EARLY_LOADS, **pdl.launch(x.device, "gdn_step"))
     if emit:
         gemv_rr.record_q8x(out, xq, q8_span)
     if cnt is None:  # no ticket counters on this stream: the norm and shift in a second launch
