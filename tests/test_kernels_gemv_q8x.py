@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from tests.test_kernels_gemv import G, zlib_seed
-from tests.test_kernels_gemv_rr import check, ggml_rows, rr_calls, slot_sum_case  # noqa: F401 (a fixture)
+from tests.test_kernels_gemv_rr import TILED, _tiled, check, ggml_rows, rr_calls, slot_sum_case  # noqa: F401
 from strata.kernels import gemv_q8x as Q
 from strata.model.act_quant import dequantize_q8, quantize_q8, round_q8
 
-KINDS = list(Q.ORDER)
+KINDS = [kind for kind in Q.ORDER if kind not in TILED]  # the tile-major types: `test_tile_major_types`
 
 
 def activations(rows: int, k: int, seed: int) -> torch.Tensor:
@@ -122,6 +122,24 @@ def test_preloaded_steps_change_no_bit(rr_calls, monkeypatch) -> None:  # noqa: 
     check(outs[1], *_want(activations(1, k, 13), ref))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     assert rr_calls == [kind] * 3
+
+
+@pytest.mark.parametrize("kind", list(TILED))
+def test_tile_major_types(kind: str, rr_calls, monkeypatch) -> None:  # noqa: F811
+    """A tile-major type with Q8 activations gives its row-major twin's bits: plain and the routed experts' GLU."""
+    base = TILED[kind]
+    monkeypatch.setattr(Q.gemv_rr, "BIG_LAUNCH_TILES", 1)  # Q6_K_R in Q6_K_RT's launch shape
+    rng = np.random.default_rng(zlib_seed(kind) + 3)
+    k = 512
+    w = ggml_rows(base, 32, k, rng)[0]
+    gs = torch.stack([ggml_rows(base, 16, k, rng)[0] for _ in range(2)])
+    us = torch.stack([ggml_rows(base, 16, k, rng)[0] for _ in range(2)])
+    ids = torch.tensor([1, 0, 1], dtype=torch.int32)
+    x = activations(1, k, 7) * 0.05
+    assert torch.equal(Q.gemv(Q.quantize(x, kind), _tiled(kind, w), kind, k), Q.gemv(Q.quantize(x, base), w, base, k))
+    assert torch.equal(Q.gemv_experts_glu(Q.quantize(x, kind), _tiled(kind, gs), _tiled(kind, us), ids, kind, k),
+                       Q.gemv_experts_glu(Q.quantize(x, base), gs, us, ids, base, k))
+    assert rr_calls == [kind, base, kind, base]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -274,45 +274,62 @@ def test_preloaded_k_loop_steps_change_no_bit(kind: str, rr_calls, monkeypatch) 
     assert _rr.preload_steps(kind, 5, q8x=True) == 3 and _rr.preload_steps(kind, 5) == 2
 
 
-def _tile_launch(kind: str, x, w, ids, up, n: int, k: int, tile: int) -> torch.Tensor:
-    """One row-register launch in the shape `launch_shape` picks, the weights row-major (tile 0) or tile-major."""
-    glu = up is not None
-    slots = 1 if ids is None else ids.shape[0]
-    n_chunks = k // _rr.CHUNK[kind][0]
-    shape = _rr.launch_shape(kind, n_chunks, n // (4 if glu else 8) * slots)
-    shape = (*shape[:3], 1)
-    if tile:
-        tile = shape[0] // 2 if glu else shape[0]
-        w = _rr.tile_major(w, kind, tile, shape[1])
-        up = _rr.tile_major(up, kind, tile, shape[1]) if glu else None
-    out = torch.full((slots, n), float("nan"))
-    ws = w.stride(0) if ids is not None else 0
-    assert G._launch_rr(G.gemv_type(kind), x, w, ids, out, n, k, slots, ws, 0, out.stride(0), up,
-                        up.stride(0) if glu else 0, None, None, shape=shape, tile=tile)
-    return out
+TILED = {"Q4_K_RT": "Q4_K_R", "Q6_K_RT": "Q6_K_R"}
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+def _tiled(kind: str, rows: torch.Tensor) -> torch.Tensor:
+    """Row-major rows of `kind`'s base type re-laid as `kind` (a new tensor)."""
+    layout = repack.TILE_LAYOUTS[G.gemv_type(kind).type_id]
+    return repack.tile_major(rows, layout.tile, layout.step)
+
+
+@pytest.mark.parametrize("kind", list(TILED))
 @pytest.mark.parametrize("pre", [1, 2])
-def test_tile_major_weights_change_no_bit(kind: str, pre: int, rr_calls, monkeypatch) -> None:
-    """Weights stored tile-major (`gemv_rr.tile_major`: a program's words of one loop step together) give the
-    row-major launch's bits, plain and as the routed experts' GLU, with one or two steps loaded before the wait;
-    the layout keeps every byte, and a tile that does not divide the rows is refused."""
+def test_tile_major_types_read_as_their_base(kind: str, pre: int, rr_calls, monkeypatch) -> None:
+    """A tile-major type (`repack.TILE_LAYOUTS`) gives its row-major twin's bits in every kernel that reads it: the
+    row-register launches (plain, K split, the routed experts' GLU by id; one or two steps loaded before the wait),
+    the generic GEMV for several tokens, the device dequantization and the grouped expert GEMM; matrices that are
+    not whole tiles are refused, naming the type."""
+    from strata.kernels import experts_gemm as EG
+
+    base = TILED[kind]
+    tid = G.gemv_type(kind).type_id
     monkeypatch.setitem(_rr.PRELOAD, kind, pre)
+    monkeypatch.setitem(_rr.PRELOAD, base, pre)
+    monkeypatch.setattr(_rr, "BIG_LAUNCH_TILES", 1)  # Q6_K_R in the shape Q6_K_RT's launches take (the same sums)
     rng = np.random.default_rng(zlib_seed(kind) + 13)
-    k = 4 * _rr.CHUNK[kind][0] if kind == "Q5_1_R" else 4 * 256
-    w, ref = ggml_rows(kind, 16, k, rng)
+    k, n = 1024, 32
+    w, ref = ggml_rows(base, n, k, rng)
+    wt = _tiled(kind, w)
+    assert not torch.equal(wt, w)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(13))
-    plain = _tile_launch(kind, x, w, None, None, 16, k, 0)
+    plain = G.gemv(x, w, base, k)
     check(plain[0], x[0].double() @ ref.T, x[0].double().abs() @ ref.abs().T)
-    assert torch.equal(_tile_launch(kind, x, w, None, None, 16, k, 1), plain)
-    gs = torch.stack([ggml_rows(kind, 8, k, rng)[0] for _ in range(2)])
-    us = torch.stack([ggml_rows(kind, 8, k, rng)[0] for _ in range(2)])
+    assert torch.equal(G.gemv(x, wt, kind, k), plain)
+    assert torch.equal(G.gemv(x, wt, kind, k, split_k=2), G.gemv(x, w, base, k, split_k=2))
+    gs = torch.stack([ggml_rows(base, 16, k, rng)[0] for _ in range(2)])
+    us = torch.stack([ggml_rows(base, 16, k, rng)[0] for _ in range(2)])
     ids = torch.tensor([1, 0, 1])
-    glu = _tile_launch(kind, x, gs, ids, us, 8, k, 0)
+    glu = G.gemv_experts_glu(x, gs, us, ids, base, k)
     assert not torch.isnan(glu).any()
-    assert torch.equal(_tile_launch(kind, x, gs, ids, us, 8, k, 1), glu)
-    t = _rr.tile_major(w, kind, 4, 2)
-    assert not torch.equal(t, w) and torch.equal(_rr.tile_major(t, kind, 4, 2, undo=True), w)
-    with pytest.raises(StrataError, match="tiles of 3 rows"):
-        _rr.tile_major(w, kind, 3, 1)
+    assert torch.equal(G.gemv_experts_glu(x, _tiled(kind, gs), _tiled(kind, us), ids, kind, k), glu)
+    assert rr_calls == [base, kind, kind, base, base, kind]
+    x3 = torch.randn(3, k, generator=torch.Generator().manual_seed(14))  # several tokens: the generic kernel
+    assert torch.equal(G.gemv(x3, wt, kind, k), G.gemv(x3, w, base, k))
+    assert torch.equal(G.gemv_experts_glu(x3, _tiled(kind, gs), _tiled(kind, us), ids, kind, k),
+                       G.gemv_experts_glu(x3, gs, us, ids, base, k))
+    assert torch.equal(G.dequantize_rows(wt, kind, k), G.dequantize_rows(w, base, k))
+    assert torch.equal(quants.dequantize(wt, tid, k), quants.dequantize(w, G.gemv_type(base).type_id, k))
+    xs = torch.randn(20, k, generator=torch.Generator().manual_seed(15))
+    e_ids = torch.tensor([0, 1] * 10)
+    order = e_ids.argsort(stable=True)
+    tiles = EG.expert_tiles(e_ids[order], 2, 16)
+    want = EG.experts_gemm_glu(xs, gs, us, tiles, order, base, k, 16, torch.float32)
+    assert torch.equal(EG.experts_gemm_glu(xs, _tiled(kind, gs), _tiled(kind, us), tiles, order, kind, k, 16,
+                                           torch.float32), want)
+    with pytest.raises(ValueError, match=kind):
+        G.gemv(x3, wt[:-1], kind, k)  # not whole tiles
+    with pytest.raises(ValueError, match="whole tiles"):
+        quants.dequantize(wt.reshape(-1), tid, k)
+    layout = repack.TILE_LAYOUTS[tid]
+    assert torch.equal(repack.tile_major(wt, layout.tile, layout.step, undo=True), w)

@@ -26,7 +26,7 @@ _spec.loader.exec_module(sv)
 VARIANTS = ["base", "select:removed", "select:radix", "route:removed", "release:after-loop", "gdn:16",
             "preload:Q4_K_R:3", "preload:Q8_0_R/6:2", "preload:q8:Q8_0_R/6:3", "preload:q8:Q4_K_R:5",
             "gemv-type:Q8_0:4,2,1", "ids-early:off", "select:ranked:8:1024", "attend:64:32", "hc-up:8",
-            "tile-major:glu", "tile-major:down+tile-major:head",
+            "row-major:glu", "row-major:glu+row-major:head",
             "release-plain:0", "release-settled:1", "release-rows:2560:1", "late:hc_up:1", "streams:off",
             "shared:removed", "argmax:torch", "norm-ropes:split", "activations:q8", "q8-units:off",
             "quantize:removed", "x-widen:0", "experts-gemm:0", "experts-gemm-shape:32,8", "prefill-chunk:1024",
@@ -70,32 +70,35 @@ def test_unknown_variant_is_refused(variant: str) -> None:
     sv.apply("base")
 
 
-def test_tile_major_variant_relays_the_glu_stacks_and_back(monkeypatch) -> None:
-    """`tile-major:glu` re-lays the routed Q4_K_R gate/up stacks tile-major in place (other tensors untouched) and
-    `base` restores every byte."""
+def test_row_major_variant_relays_the_tiled_tensors_and_back(monkeypatch) -> None:
+    """`row-major:glu` re-lays the tile-major gate/up stacks (Q4_K_RT) in place as their row-major twins (Q4_K_R),
+    leaving the head (Q6_K_RT) alone, and `base` puts the tile-major tensors and every byte back."""
+    from strata.weights import repack
+    from strata.weights.quant_tensor import QuantTensor
+
     gen = torch.Generator().manual_seed(3)
-    stacks = {n: torch.randint(0, 256, (2, 8, 1440), dtype=torch.uint8, generator=gen)
-              for n in ("l0.gate_exps", "l0.up_exps", "l0.down_exps")}
-    before = {n: t.clone() for n, t in stacks.items()}
-    kinds = {"l0.gate_exps": "Q4_K_R", "l0.up_exps": "Q4_K_R", "l0.down_exps": "Q5_1_R"}
-    monkeypatch.setattr(kernel_ops, "stored_rows", lambda t: (stacks[t], kinds[t]))
-    monkeypatch.setitem(sv.WEIGHTS, "w", type("W", (), {"tensors": {n: n for n in stacks}})())
+    rows = {n: torch.randint(0, 256, (2, 8, 1440), dtype=torch.uint8, generator=gen)
+            for n in ("L0.moe.gate_exps", "L0.moe.up_exps")}
+    rows["head"] = torch.randint(0, 256, (32, 2240), dtype=torch.uint8, generator=gen)
+    kinds = {"L0.moe.gate_exps": repack.Q4_K_RT_ID, "L0.moe.up_exps": repack.Q4_K_RT_ID, "head": repack.Q6_K_RT_ID}
+    tensors = {}
+    for n, r in rows.items():
+        layout = repack.TILE_LAYOUTS[kinds[n]]
+        shape = (*r.shape[:-1], r.shape[-1] // (layout.step if kinds[n] == repack.Q6_K_RT_ID else 144) * 256)
+        tiled = repack.tile_major(r, layout.tile, layout.step)
+        tensors[n] = QuantTensor(n, tiled.view(*r.shape[:-2], r.shape[-2] // layout.tile, layout.tile, -1),
+                                 kinds[n], shape)
+    before = dict(tensors)
+    monkeypatch.setitem(sv.WEIGHTS, "w", type("W", (), {"tensors": tensors})())
     try:
-        sv.apply("tile-major:glu")
-        assert kernel_gemv._launch_rr is sv._tiled_launch and sv.TILED == {"glu"}
-        for n in ("l0.gate_exps", "l0.up_exps"):
-            assert torch.equal(stacks[n], gemv_rr.tile_major(before[n], "Q4_K_R", 4, 2))
-        assert torch.equal(stacks["l0.down_exps"], before["l0.down_exps"])
+        sv.apply("row-major:glu")
+        for n in ("L0.moe.gate_exps", "L0.moe.up_exps"):
+            assert tensors[n].type_id == repack.Q4_K_R_ID and torch.equal(tensors[n].data, rows[n])
+            assert tensors[n].data.data_ptr() == before[n].data.data_ptr()  # in place
+        assert tensors["head"] is before["head"]
     finally:
         sv.apply("base")
-    assert all(torch.equal(stacks[n], before[n]) for n in stacks) and not sv.TILED
-    try:  # the down stacks (Q5_1_R, tiles of 8 rows, one 96-byte chunk a step) and back
-        kinds["l0.down_exps"] = "Q5_1_R"
-        stacks["l0.down_exps"] = torch.randint(0, 256, (2, 16, 480), dtype=torch.uint8, generator=gen)
-        before["l0.down_exps"] = stacks["l0.down_exps"].clone()
-        sv.apply("tile-major:down+tile-major:glu")
-        assert sv.TILED == {"glu", "down"}
-        assert torch.equal(stacks["l0.down_exps"], gemv_rr.tile_major(before["l0.down_exps"], "Q5_1_R", 8, 1))
-    finally:
-        sv.apply("base")
-    assert all(torch.equal(stacks[n], before[n]) for n in stacks) and not sv.TILED
+    assert all(tensors[n] is before[n] for n in tensors) and not sv.ROW_MAJOR
+    for n, r in rows.items():
+        layout = repack.TILE_LAYOUTS[kinds[n]]
+        assert torch.equal(tensors[n].tiled_rows(), repack.tile_major(r, layout.tile, layout.step))

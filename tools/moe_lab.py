@@ -14,9 +14,10 @@ the GLU (Q4_K_R gate/up, 10 slots of 640 x 2560) and the down projections with t
   rows of 512).
 
 If `spread` is much slower than `first10`, the pages the experts lie on (address translation) cost the time, not
-their bytes. Each kind of launch is also timed with its weights tile-major (`gemv_rr.tile_major`: a program's words
-of one K-loop step together): the GLU, the down projections, the 12800 x 2560 and 16480 x 2560 GEMVs and the
-Q6_K_R head (248320 x 2560, two copies alternating).
+their bytes. The GLU, the 12800 x 2560 GEMV and the Q6_K_R head (248320 x 2560, two copies alternating) are also
+timed as their tile-major types (Q4_K_RT, Q6_K_RT: `repack.TILE_LAYOUTS`, a program's words of one K-loop step
+together; random bytes either way). Up to 95b6bc3 the lab also timed Q8_0_R and Q5_1_R launches tile-major
+(bench/results/2026-12-06-h100-moe-lab-a10d125.json), which no type stores.
 
     python tools/moe_lab.py --out moe-lab.json
 """
@@ -33,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from strata.kernels import gemv as G  # noqa: E402
-from strata.kernels import gemv_rr, pdl  # noqa: E402
+from strata.kernels import pdl  # noqa: E402
 from strata.runtime.bench import copy_bandwidth, git_commit  # noqa: E402
 from tools.gpu_check_gemv import time_graph  # noqa: E402
 
@@ -45,23 +46,6 @@ def stacks(kind: str, rows: int, layers: int, gen: torch.Generator) -> list[torc
     """`layers` expert stacks (EXPERTS, rows, row bytes) of random bytes (the time does not depend on values)."""
     return [torch.randint(0, 256, (EXPERTS, rows, ROW_BYTES[kind]), dtype=torch.uint8, device="cuda", generator=gen)
             for _ in range(layers)]
-
-
-def rows_tiled(x: torch.Tensor, mats: list[torch.Tensor], kind: str, n: int, k: int, case, label: str,
-               nbytes: int) -> None:
-    """The plain launches of `mats` with each matrix stored tile-major (`gemv_rr.tile_major`), in place."""
-    shape = gemv_rr.launch_shape(kind, k // gemv_rr.CHUNK[kind][0], n // 8)
-    shape = gemv_rr.launch_shape(kind, k // gemv_rr.CHUNK[kind][0], n // shape[0])
-    if shape[3] != 1:
-        print(f"{label}: split {shape[3]}, no tile-major case")
-        return
-    for i in range(len(mats)):
-        mats[i] = gemv_rr.tile_major(mats[i], kind, shape[0], shape[1])
-    out = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
-    t = G.gemv_type(kind)
-    case(f"{label} tile-major", "contiguous",
-         [lambda w=w: G._launch_rr(t, x, w, None, out, n, k, 1, 0, 0, 0, None, 0, None, None, shape=shape,
-                                   tile=shape[0]) for w in mats], nbytes)
 
 
 def main() -> int:
@@ -94,18 +78,11 @@ def main() -> int:
     case("Q4_K_R glu 10x640x2560", "spread", [glu(i, rand_ids[i]) for i in range(LAYERS)], glu_bytes)
     case("Q4_K_R glu 10x640x2560", "first10", [glu(i, first10) for i in range(LAYERS)], glu_bytes)
     case("Q4_K_R glu 10x640x2560", "one-stack", [glu(0, rand_ids[0]) for _ in range(LAYERS)], glu_bytes)
-    shape = gemv_rr.launch_shape("Q4_K_R", HIDDEN // 256, INTER // 4 * SLOTS)
-    for i in range(LAYERS):
-        gate[i] = gemv_rr.tile_major(gate[i], "Q4_K_R", shape[0] // 2, shape[1])
-        up[i] = gemv_rr.tile_major(up[i], "Q4_K_R", shape[0] // 2, shape[1])
-    out = torch.empty(SLOTS, INTER, dtype=torch.bfloat16, device="cuda")
 
     def glu_tiled(layer: int, ids: torch.Tensor):
-        return lambda: G._launch_rr(G.gemv_type("Q4_K_R"), x, gate[layer], ids, out, INTER, HIDDEN, SLOTS,
-                                    gate[layer].stride(0), 0, out.stride(0), up[layer], up[layer].stride(0), None,
-                                    None, shape=shape, tile=shape[0] // 2)
-    case("Q4_K_R glu 10x640x2560 tile-major", "spread", [glu_tiled(i, rand_ids[i]) for i in range(LAYERS)],
-         glu_bytes)
+        return lambda: G.gemv_experts_glu(x, gate[layer], up[layer], ids, "Q4_K_RT", HIDDEN,
+                                          out_dtype=torch.bfloat16)
+    case("Q4_K_RT glu 10x640x2560", "spread", [glu_tiled(i, rand_ids[i]) for i in range(LAYERS)], glu_bytes)
     del gate, up
     torch.cuda.empty_cache()
 
@@ -113,7 +90,8 @@ def main() -> int:
                           generator=gen) for _ in range(LAYERS)]
     case("Q4_K_R 12800x2560 (same bytes)", "contiguous",
          [lambda w=w: G.gemv(x, w, "Q4_K_R", HIDDEN, out_dtype=torch.bfloat16) for w in flat], glu_bytes)
-    rows_tiled(x, flat, "Q4_K_R", 2 * SLOTS * INTER, HIDDEN, case, "Q4_K_R 12800x2560", glu_bytes)
+    case("Q4_K_RT 12800x2560 (same bytes)", "contiguous",
+         [lambda w=w: G.gemv(x, w, "Q4_K_RT", HIDDEN, out_dtype=torch.bfloat16) for w in flat], glu_bytes)
     case("Q4_K_R 12800x2560 split 5", "contiguous",
          [lambda w=w: G.gemv(x, w, "Q4_K_R", HIDDEN, out_dtype=torch.bfloat16, split_k=5) for w in flat], glu_bytes)
     del flat
@@ -127,7 +105,6 @@ def main() -> int:
             for _ in range(LAYERS)]
     case("Q8_0_R 16480x2560", "contiguous",
          [lambda w=w: G.gemv(x, w, "Q8_0_R", HIDDEN, out_dtype=torch.bfloat16) for w in qkvz], qkvz[0].numel())
-    rows_tiled(x, qkvz, "Q8_0_R", 16480, HIDDEN, case, "Q8_0_R 16480x2560", qkvz[0].numel())
     del qkvz
     torch.cuda.empty_cache()
 
@@ -139,25 +116,14 @@ def main() -> int:
     case("Q5_1_R down+sum 10x2560x640", "spread", [dsum(i, rand_ids[i]) for i in range(LAYERS)], down_bytes)
     case("Q5_1_R down+sum 10x2560x640", "first10", [dsum(i, first10) for i in range(LAYERS)], down_bytes)
     case("Q5_1_R down+sum 10x2560x640", "one-stack", [dsum(0, rand_ids[0]) for _ in range(LAYERS)], down_bytes)
-    dshape = gemv_rr.launch_shape("Q5_1_R", INTER // 128, HIDDEN // 8 * SLOTS)
-    if dshape[3] == 1:
-        for i in range(LAYERS):
-            down[i] = gemv_rr.tile_major(down[i], "Q5_1_R", dshape[0], dshape[1])
-        dout = torch.empty(1, HIDDEN, dtype=torch.bfloat16, device="cuda")
-
-        def dsum_tiled(layer: int, ids: torch.Tensor):
-            return lambda: G._launch_rr(G.gemv_type("Q5_1_R"), xs, down[layer], ids, dout, HIDDEN, INTER, SLOTS,
-                                        down[layer].stride(0), xs.stride(0), 0, None, 0, None, sw, shape=dshape,
-                                        tile=dshape[0])
-        case("Q5_1_R down+sum 10x2560x640 tile-major", "spread", [dsum_tiled(i, rand_ids[i]) for i in range(LAYERS)],
-             down_bytes)
     del down
     torch.cuda.empty_cache()
     head = [torch.randint(0, 256, (248320, HIDDEN // 256 * 224), dtype=torch.uint8, device="cuda", generator=gen)
             for _ in range(2)]
     calls = [lambda w=w: G.gemv(x, w, "Q6_K_R", HIDDEN, out_dtype=torch.bfloat16) for w in head] * 4
     case("Q6_K_R 248320x2560 (head)", "contiguous", calls, head[0].numel())
-    rows_tiled(x, head * 4, "Q6_K_R", 248320, HIDDEN, case, "Q6_K_R 248320x2560 (head)", head[0].numel())
+    calls = [lambda w=w: G.gemv(x, w, "Q6_K_RT", HIDDEN, out_dtype=torch.bfloat16) for w in head] * 4
+    case("Q6_K_RT 248320x2560 (head)", "contiguous", calls, head[0].numel())
     report = {"commit": args.commit or git_commit(), "gpu": torch.cuda.get_device_name(dev),
               "copy_bandwidth_bytes_per_s": bw, "layers": LAYERS, "experts": EXPERTS, "slots": SLOTS, "rows": rows}
     if args.out:

@@ -64,9 +64,9 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   experts-gemm-shape:BN,W    the grouped expert GEMM with BN weight rows per program over W warps
                              (`experts_gemm.BLOCK_N`, `NUM_WARPS`)
   prefill-chunk:N            the prefill of --prefill-tokens in chunks of N tokens (512: `Engine.prefill`'s)
-  tile-major:T               T (glu: the routed experts' Q4_K_R gate/up stacks; down: their Q5_1_R down stacks;
-                             head: the Q6_K_R head) stored tile-major (`gemv_rr.tile_major`: a program's words of
-                             one K-loop step together) and launched so
+  row-major:T                T (glu: the routed experts' gate/up stacks; head: the head), which the GPU stores
+                             tile-major (Q4_K_RT, Q6_K_RT: `repack.TILE_LAYOUTS`), re-laid row by row in place
+                             as their row-major twins (Q4_K_R, Q6_K_R)
   shape:KIND:NCH:LO:HI:BR,SBC,WARPS,SPLIT
                              row-register launches of KIND over NCH chunks with LO <= row tiles < HI in this
                              launch shape (`gemv_rr.launch_shape`)
@@ -95,6 +95,8 @@ from strata.model.qsa import norm_ropes_ref  # noqa: E402
 from strata.runtime import bench, graph  # noqa: E402
 from strata.runtime.placement import fast_ops, gpu_layout  # noqa: E402
 from strata.runtime.synthetic import TypeMix, real_config, synthetic_weights  # noqa: E402
+from strata.weights import repack  # noqa: E402
+from strata.weights.quant_tensor import QuantTensor  # noqa: E402
 
 BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attention.select_blocks_ranked,
         "RANK_SELECT_MAX_BLOCKS": attention.RANK_SELECT_MAX_BLOCKS, "attend": attention.attend,
@@ -104,8 +106,7 @@ BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attent
         "gdn_step": gdn.gdn_step, "GDN_EARLY_LOADS": gdn.EARLY_LOADS, "PRELOAD": dict(gemv_rr.PRELOAD),
         "GEMV_TYPE_NAMES": dict(kernel_gemv.GEMV_TYPE_NAMES), "greedy_token": graph.greedy_token,
         "GEMM_MIN_TOKENS": kernel_ops.GEMM_MIN_TOKENS,
-        "GEMM_SHAPE": (experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS), "quantize": gemv_q8x.quantize,
-        "launch_rr": kernel_gemv._launch_rr}
+        "GEMM_SHAPE": (experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS), "quantize": gemv_q8x.quantize}
 
 
 Q8_UNIT_WRITERS = ("hc_read", "hc_write_read", "gdn_core", "attend")  # op entries that write Q8 units in the q8 mode
@@ -170,36 +171,28 @@ def _prompt_logits(model: Model, tokens: int, chunk: int) -> torch.Tensor:
 
 
 WEIGHTS: dict = {}  # the synthetic model's weights (main), which the `tile-major:` variants re-lay in place
-TILE_TARGETS = {  # name -> (tensor name suffixes, type, tile rows, chunks per step): the real geometry's launch shapes
-    "glu": (("gate_exps", "up_exps"), "Q4_K_R", 4, 2),
-    "down": (("down_exps",), "Q5_1_R", 8, 1),
-    "head": (("head",), "Q6_K_R", 16, 1),
-}
-TILED: set[str] = set()
+TILE_TARGETS = {"glu": ("gate_exps", "up_exps"), "head": ("head",)}  # name -> tensor name suffixes
+ROW_MAJOR: dict[str, QuantTensor] = {}  # tile-major tensors of WEIGHTS re-laid row by row, by name
 
 
-def _relay(target: str, tiled: bool) -> None:
-    """The tensors of WEIGHTS that `target` names (`TILE_TARGETS`), stored in its type, re-laid tile-major
-    (`gemv_rr.tile_major`) or back to row-major, in place."""
-    suffixes, kind, tile, sbc = TILE_TARGETS[target]
+def _relay(target: str, row_major: bool) -> None:
+    """The tile-major tensors of WEIGHTS that `target` names (`TILE_TARGETS`) re-laid row by row in place, each
+    replaced by its row-major twin (row_major), or those twins re-laid and replaced back."""
     w = WEIGHTS.get("w")
-    for name, t in (w.tensors.items() if w is not None else ()):
-        raw = kernel_ops.stored_rows(t) if name.endswith(suffixes) else None
-        if raw is None or raw[1] != kind:
-            continue
-        raw[0].copy_(gemv_rr.tile_major(raw[0], kind, tile, sbc, undo=not tiled))
-    (TILED.add if tiled else TILED.discard)(target)
-
-
-def _tiled_launch(t, x, w, ids, out, n, k, slots, w_slot_stride, x_slot_stride, out_slot_stride, up, *a, **kw):
-    """`gemv._launch_rr`, telling the launches of the re-laid tensors (`TILED`) their tile."""
-    target = ("glu" if t.name == "Q4_K_R" and up is not None and ids is not None
-              else "down" if t.name == "Q5_1_R" and up is None and ids is not None
-              else "head" if t.name == "Q6_K_R" and up is None and ids is None else None)
-    if target in TILED:
-        kw["tile"] = TILE_TARGETS[target][2]
-    return BASE["launch_rr"](t, x, w, ids, out, n, k, slots, w_slot_stride, x_slot_stride, out_slot_stride, up, *a,
-                             **kw)
+    for name in [n for n in (w.tensors if w is not None else ()) if n.endswith(TILE_TARGETS[target])]:
+        t = w.tensors[name]
+        if row_major and isinstance(t, QuantTensor) and t.tiled:
+            layout = repack.TILE_LAYOUTS[t.type_id]
+            rows = t.tiled_rows()
+            repack.tile_major_(rows, layout.tile, layout.step, undo=True)
+            ROW_MAJOR[name] = t
+            w.tensors[name] = QuantTensor(t.name, rows, layout.base, t.shape)
+        elif not row_major and name in ROW_MAJOR:
+            tiled = ROW_MAJOR.pop(name)
+            layout = repack.TILE_LAYOUTS[tiled.type_id]
+            rows = tiled.tiled_rows()
+            repack.tile_major_(rows, layout.tile, layout.step)
+            w.tensors[name] = tiled
 
 
 def _variant_model(w, dev: torch.device, variant: str) -> Model:
@@ -231,10 +224,8 @@ def apply(variant: str) -> dict:
     experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS = BASE["GEMM_SHAPE"]
     gemv_rr.PRELOAD.clear()
     gemv_rr.PRELOAD.update(BASE["PRELOAD"])
-    kernel_gemv._launch_rr = BASE["launch_rr"]
     for target in TILE_TARGETS:
-        if (f"tile-major:{target}" in variant.split("+")) != (target in TILED):
-            _relay(target, target not in TILED)
+        _relay(target, f"row-major:{target}" in variant.split("+"))
     for t in BASE["GEMV_TYPE_NAMES"].values():
         kernel_gemv.GEMV_TYPE_NAMES[t.name] = kernel_gemv.GEMV_TYPES[t.type_id] = t
     swaps = {}
@@ -312,8 +303,8 @@ def _apply_one(variant: str) -> dict:
                                            torch.cuda.get_device_properties(0).multi_processor_count)[int(args[0])])
         knobs.pop("finish_in_down", None)
         hyper.hc_read_defaults = lambda *a: dict(knobs)
-    elif name == "tile-major" and len(args) == 1 and args[0] in TILE_TARGETS:
-        kernel_gemv._launch_rr = _tiled_launch
+    elif name == "row-major" and len(args) == 1 and args[0] in TILE_TARGETS:
+        pass  # re-laid by `apply`
     elif name == "hc-up" and len(args) == 1:
         hyper.hc_read_defaults = functools.partial(BASE["hc_read_defaults"], block_h=int(args[0]))
     elif name == "shape" and len(args) == 5:

@@ -24,7 +24,7 @@ import triton.language as tl
 from strata.kernels import gemv_blocks as gb
 from strata.kernels import pdl
 from strata.kernels.gemv import (GemvType, _act, _check_act, _check_x, _glu_weights, _out, _table, _weights,
-                                 gemv_type)
+                                 chunk_at, gemv_type, row_offsets, tile_args)
 
 CHUNK_ELEMS = 256
 """x elements per K step (fewer where a type's block is larger or the row is shorter): a [BN, 256] fp32 tile is
@@ -68,11 +68,11 @@ def expert_tiles(ids_sorted: torch.Tensor, n_experts: int, bm: int) -> torch.Ten
 
 def _chunk(t: GemvType, k: int) -> tuple[int, int, int]:
     """(blocks per K step, x elements per step, stored units per step: elements of dense rows, bytes of packed
-    ones): the largest power of two of blocks dividing the row's block count with at most CHUNK_ELEMS elements
-    (at least one block)."""
+    ones): the largest power of two of blocks dividing the row's block count (and a tile-major type's step) with
+    at most CHUNK_ELEMS elements (at least one block)."""
     n_blocks = k // t.block_elems
     nb = max(1, CHUNK_ELEMS // t.block_elems)
-    while n_blocks % nb:
+    while n_blocks % nb or (t.tile is not None and t.tile[1] % (nb * t.block_bytes)):
         nb //= 2
     return nb, nb * t.block_elems, nb if t.dense_dtype is not None else nb * t.block_bytes
 
@@ -105,13 +105,13 @@ def _experts_gemm_kernel(x_ptr, w_ptr, u_ptr, tab_ptr, tiles_ptr, x_rows_ptr, ou
                          LOAD: tl.constexpr, UNPACK: tl.constexpr, CHUNK_W: tl.constexpr, CX: tl.constexpr,
                          NB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GLU: tl.constexpr,
                          X_ROWS: tl.constexpr, OUT_ROWS: tl.constexpr, ACT: tl.constexpr, F32_DOT: tl.constexpr,
-                         GDC: tl.constexpr = False):
+                         GDC: tl.constexpr = False, TILE: tl.constexpr = 0, STEP: tl.constexpr = 0):
     """Program (t, i): rows i*BN.. of tile t's expert times the tile's slots m in [first, end) (`expert_tiles`).
     x row of slot m: x_rows[m] (X_ROWS) or m; output row: out_rows[m] (OUT_ROWS) or m. GLU: u_ptr is the up
     stack (same strides) and out = act(g) * u rounded as `gemv._glu_kernel`; else out = the fp32 product.
     F32_DOT: the products in IEEE fp32 (fp32 x; and off CUDA, where Triton's interpreter multiplies 16-bit
     floats as their integer bits): the same products as a 16-bit dot with fp32 accumulation, whose operands
-    fp32 holds exactly."""
+    fp32 holds exactly. TILE, STEP: tile-major stacks (`gemv.row_offsets`, `gemv.chunk_at`)."""
     pdl.started(GDC)
     pdl.wait(GDC)
     t = tl.program_id(0)
@@ -128,8 +128,8 @@ def _experts_gemm_kernel(x_ptr, w_ptr, u_ptr, tab_ptr, tiles_ptr, x_rows_ptr, ou
         xr = m.to(tl.int64)
     rows = tl.program_id(1) * BN + tl.arange(0, BN)
     rows_c = tl.minimum(rows, N - 1).to(tl.int64)
-    rp = w_ptr + e.to(tl.int64) * w_expert_stride + rows_c * w_row_stride
-    up = u_ptr + e.to(tl.int64) * w_expert_stride + rows_c * w_row_stride
+    rp = w_ptr + e.to(tl.int64) * w_expert_stride + row_offsets(rows_c, w_row_stride, TILE, STEP)
+    up = u_ptr + e.to(tl.int64) * w_expert_stride + row_offsets(rows_c, w_row_stride, TILE, STEP)
     dt: tl.constexpr = x_ptr.dtype.element_ty
     xo = _x_offsets(rp, tab_ptr, LOAD, UNPACK, NB, BN, CX)
     xp = x_ptr + xr[:, None] * x_stride + xo[None, :]
@@ -139,9 +139,11 @@ def _experts_gemm_kernel(x_ptr, w_ptr, u_ptr, tab_ptr, tiles_ptr, x_rows_ptr, ou
         xg = tl.load(xp + c * CX, mask=mm[:, None], other=0.0)
         if F32_DOT:
             xg = xg.to(tl.float32)
-        acc = _dot_chunk(acc, xg, rp + c * CHUNK_W, tab_ptr, LOAD, UNPACK, NB, BN, CX, dt, F32_DOT)
+        acc = _dot_chunk(acc, xg, chunk_at(rp, c * CHUNK_W, TILE, STEP), tab_ptr, LOAD, UNPACK, NB, BN, CX, dt,
+                         F32_DOT)
         if GLU:
-            acc_u = _dot_chunk(acc_u, xg, up + c * CHUNK_W, tab_ptr, LOAD, UNPACK, NB, BN, CX, dt, F32_DOT)
+            acc_u = _dot_chunk(acc_u, xg, chunk_at(up, c * CHUNK_W, TILE, STEP), tab_ptr, LOAD, UNPACK, NB, BN, CX,
+                               dt, F32_DOT)
     if GLU:
         acc = gb.rounded(_act(gb.rounded(acc, dt), ACT), dt) * gb.rounded(acc_u, dt)
     if OUT_ROWS:
@@ -165,7 +167,8 @@ def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, u: torch.Tensor | Non
         out if out_rows is None else out_rows, out, n, k // cx, n_tiles, x.stride(0), w.stride(1), w.stride(0),
         out.stride(0), LOAD=load, UNPACK=unpack, CHUNK_W=chunk_w, CX=cx, NB=nb,
         BM=bm, BN=BLOCK_N, GLU=u is not None, X_ROWS=x_rows is not None, OUT_ROWS=out_rows is not None, ACT=act,
-        F32_DOT=x.dtype == torch.float32 or x.device.type != "cuda", num_warps=NUM_WARPS, **pdl.launch(w.device))
+        F32_DOT=x.dtype == torch.float32 or x.device.type != "cuda", **tile_args(t, k, chunk_w, n),
+        num_warps=NUM_WARPS, **pdl.launch(w.device))
 
 
 def _check_tiles(tiles: torch.Tensor, w: torch.Tensor) -> None:

@@ -76,6 +76,8 @@ class GemvType:
     slots_block_n: rows per program of one-token expert launches (several matrices chosen by id), if not block_n.
     load, unpack: `decode` split in its loads and its arithmetic (decode = unpack(load(...))), for the GEMV's
         software-pipelined K loop (`_tile`); None: the loop calls `decode` whole.
+    tile: (rows, step bytes) of a tile-major type (`repack.TILE_LAYOUTS`): every kernel addresses its rows and
+        chunks through `row_offsets` and `chunk_at`; a chunk never spans two steps.
     dense_dtype: the element type of dense rows (None for block types).
     f16_fields: byte offsets of the fp16 scale fields in a block (for making random blocks with sane scales).
     """
@@ -99,6 +101,7 @@ class GemvType:
     slots_block_n: int | None = None
     load: Any = None
     unpack: Any = None
+    tile: tuple[int, int] | None = None
 
 
 _Q4_K_BYTES = GemvType("Q4_K", 12, 256, 144, gb.decode_q4_k, 5, 2, block_n=8, num_warps=8, small=(2, 4),
@@ -150,6 +153,9 @@ _TYPE_LIST: tuple[GemvType, ...] = (
     GemvType("Q4_K_R", 1012, 256, 144, gb.decode_q4_k_r, 5, 1, block_n=8, num_warps=8, f16_fields=(0, 2)),
     GemvType("Q5_1_R", 1007, 128, 96, gb.decode_q5_1_r, 5, 2, block_n=8, f16_fields=(0, 2, 4, 6, 8, 10, 12, 14)),
     GemvType("Q6_K_R", 1114, 256, 224, gb.decode_q6_k_r, 4, 1, block_n=8, f16_fields=(208,)),
+    GemvType("Q4_K_RT", 1013, 256, 144, gb.decode_q4_k_r, 5, 1, block_n=8, num_warps=8, f16_fields=(0, 2),
+             tile=(4, 288)),
+    GemvType("Q6_K_RT", 1115, 256, 224, gb.decode_q6_k_r, 4, 1, block_n=8, f16_fields=(208,), tile=(16, 224)),
 )
 
 GEMV_TYPES: dict[int, GemvType] = {t.type_id: t for t in _TYPE_LIST}
@@ -215,10 +221,32 @@ def _put(res, a, t: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, RANK: tl
 
 
 @triton.jit
-def _tile(xp, xs, rp, tab_ptr, n_chunks,
+def row_offsets(rows, row_stride, TILE: tl.constexpr, STEP: tl.constexpr):
+    """Where stored rows start, in units of row_stride's: rows * row_stride, or for tile-major rows (TILE > 0,
+    `GemvType.tile`) the start of their tile plus their STEP-unit piece of its first step."""
+    if TILE > 0:
+        return (rows // TILE) * (TILE * row_stride) + (rows % TILE) * STEP
+    else:
+        return rows * row_stride
+
+
+@triton.jit
+def chunk_at(rp, o, TILE: tl.constexpr, STEP: tl.constexpr):
+    """The address o units into the rows at rp (`row_offsets`): rp + o, or for tile-major rows the piece of step
+    o // STEP (a tile's steps lie TILE * STEP apart)."""
+    if TILE > 0:
+        return rp + (o // STEP) * (TILE * STEP) + o % STEP
+    else:
+        return rp + o
+
+
+@triton.jit
+def _tile(xp, xs, rp, o0, tab_ptr, n_chunks,
           LOAD: tl.constexpr, UNPACK: tl.constexpr, PIPE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr,
-          NB: tl.constexpr, ROWS: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, GDC: tl.constexpr):
-    """[ROWS, T_PAD] fp32: res[r, t] = (the row at pointer rp[r]) . (x token t at xp + t*xs), for t < T <= 8.
+          NB: tl.constexpr, ROWS: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, GDC: tl.constexpr,
+          TILE: tl.constexpr = 0, STEP: tl.constexpr = 0):
+    """[ROWS, T_PAD] fp32: res[r, t] = (the row at pointer rp[r], from o0 units in) . (x token t at xp + t*xs),
+    for t < T <= 8 (TILE, STEP: tile-major rows, `chunk_at`).
 
     Each chunk is decoded once into a weight tile and multiplied by each token's x into that token's accumulator,
     a tile of the same shape and layout (so no data moves between threads inside the loop); the tiles are summed
@@ -232,10 +260,10 @@ def _tile(xp, xs, rp, tab_ptr, n_chunks,
 
     GDC: the first chunk's weights are loaded before `pdl.wait`, overlapping the end of the previous kernel
     (weights are never written by a kernel launched with PDL, so no wait is needed for them)."""
-    raw = LOAD(rp, tab_ptr, ROWS, NB)
+    raw = LOAD(chunk_at(rp, o0, TILE, STEP), tab_ptr, ROWS, NB)
     pdl.wait(GDC)
     if PIPE:
-        ahead = LOAD(rp + tl.minimum(1, n_chunks - 1) * CHUNK_W, tab_ptr, ROWS, NB)
+        ahead = LOAD(chunk_at(rp, o0 + tl.minimum(1, n_chunks - 1) * CHUNK_W, TILE, STEP), tab_ptr, ROWS, NB)
     else:
         ahead = raw
     w, xo = UNPACK(raw, tab_ptr, ROWS, NB)
@@ -265,9 +293,10 @@ def _tile(xp, xs, rp, tab_ptr, n_chunks,
         xc = xp + c * CHUNK_X
         if PIPE:
             raw = ahead
-            ahead = LOAD(rp + tl.minimum(c + 1, n_chunks - 1) * CHUNK_W, tab_ptr, ROWS, NB)
+            ahead = LOAD(chunk_at(rp, o0 + tl.minimum(c + 1, n_chunks - 1) * CHUNK_W, TILE, STEP), tab_ptr, ROWS,
+                         NB)
         else:
-            raw = LOAD(rp + c * CHUNK_W, tab_ptr, ROWS, NB)
+            raw = LOAD(chunk_at(rp, o0 + c * CHUNK_W, TILE, STEP), tab_ptr, ROWS, NB)
         w, xo = UNPACK(raw, tab_ptr, ROWS, NB)
         a0 += w * _x(xc, xo, xs, 0)
         if T > 1:
@@ -341,6 +370,7 @@ def _gemv_kernel(
     LOAD: tl.constexpr, UNPACK: tl.constexpr, PIPE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr,
     CHUNK_X: tl.constexpr, NB: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr,
     HAS_IDS: tl.constexpr, SPLIT: tl.constexpr = 1, SLOT_SUM: tl.constexpr = 0, GDC: tl.constexpr = False,
+    TILE: tl.constexpr = 0, STEP: tl.constexpr = 0,
 ):
     """out[slot, t, rows] = W[slot's matrix][rows] . x[slot, t] for BN rows, T <= 8 tokens.
 
@@ -365,10 +395,10 @@ def _gemv_kernel(
     s = tl.program_id(2)
     rows = pid * BN + tl.arange(0, BN)
     rows_c = tl.minimum(rows, N - 1).to(tl.int64)
-    rp = w_ptr + _matrix(ids_ptr, slot, HAS_IDS) * w_slot_stride + rows_c * w_row_stride + s * (n_chunks * CHUNK_W)
+    rp = w_ptr + _matrix(ids_ptr, slot, HAS_IDS) * w_slot_stride + row_offsets(rows_c, w_row_stride, TILE, STEP)
     xp = x_ptr + slot * x_slot_stride + s * (n_chunks * CHUNK_X)
-    res = _tile(xp, x_tok_stride, rp, tab_ptr, n_chunks,
-                LOAD, UNPACK, PIPE, RANK, CHUNK_W, CHUNK_X, NB, BN, T, T_PAD, GDC and not HAS_IDS)
+    res = _tile(xp, x_tok_stride, rp, s * (n_chunks * CHUNK_W), tab_ptr, n_chunks,
+                LOAD, UNPACK, PIPE, RANK, CHUNK_W, CHUNK_X, NB, BN, T, T_PAD, GDC and not HAS_IDS, TILE, STEP)
     if SLOT_SUM > 0:
         res = res * tl.load(sw_ptr + slot).to(tl.float32)
         res, last = _split_sum(res, part_ptr + pid * (SLOT_SUM * BN * T_PAD), cnt_ptr + pid, slot, SLOT_SUM, BN,
@@ -398,7 +428,7 @@ def _glu_kernel(
     LOAD: tl.constexpr, UNPACK: tl.constexpr, PIPE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr,
     CHUNK_X: tl.constexpr, NB: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr,
     HAS_IDS: tl.constexpr, ACT: tl.constexpr, ALIGN: tl.constexpr, SPLIT: tl.constexpr = 1,
-    GDC: tl.constexpr = False,
+    GDC: tl.constexpr = False, TILE: tl.constexpr = 0, STEP: tl.constexpr = 0,
 ):
     """out[slot, t, rows] = act(G[rows] . x) * (U[rows] . x), G and U the gate and up matrices of `slot`.
 
@@ -416,13 +446,13 @@ def _glu_kernel(
     r = tl.arange(0, 2 * BN)
     rows_c = tl.minimum(pid * BN + r % BN, N - 1).to(tl.int64)
     mat = _matrix(ids_ptr, slot, HAS_IDS)
-    rp = tl.where(r < BN, g_ptr + mat * g_slot_stride + rows_c * g_row_stride,
-                  u_ptr + mat * u_slot_stride + rows_c * u_row_stride) + s * (n_chunks * CHUNK_W)
-    if ALIGN > 1:  # both matrices' rows start ALIGN-aligned (the launcher checked): keep vector loads
+    rp = tl.where(r < BN, g_ptr + mat * g_slot_stride + row_offsets(rows_c, g_row_stride, TILE, STEP),
+                  u_ptr + mat * u_slot_stride + row_offsets(rows_c, u_row_stride, TILE, STEP))
+    if ALIGN > 1:  # both matrices' rows (and a tile-major type's steps) start ALIGN-aligned: keep vector loads
         rp = tl.multiple_of(rp, ALIGN)
     xp = x_ptr + slot * x_slot_stride + s * (n_chunks * CHUNK_X)
-    res = _tile(xp, x_tok_stride, rp, tab_ptr, n_chunks,
-                LOAD, UNPACK, PIPE, RANK, CHUNK_W, CHUNK_X, NB, 2 * BN, T, T_PAD, GDC and not HAS_IDS)
+    res = _tile(xp, x_tok_stride, rp, s * (n_chunks * CHUNK_W), tab_ptr, n_chunks,
+                LOAD, UNPACK, PIPE, RANK, CHUNK_W, CHUNK_X, NB, 2 * BN, T, T_PAD, GDC and not HAS_IDS, TILE, STEP)
     last = 1
     if SPLIT > 1:
         tile = slot * tl.num_programs(0) + pid
@@ -452,7 +482,8 @@ def _trailing(v, RANK: tl.constexpr):
 @triton.jit
 def _dequant_kernel(w_ptr, tab_ptr, out_ptr, R, w_row_stride, out_row_stride,
                     DECODE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr,
-                    NB: tl.constexpr, BN: tl.constexpr, GDC: tl.constexpr = False):
+                    NB: tl.constexpr, BN: tl.constexpr, GDC: tl.constexpr = False, TILE: tl.constexpr = 0,
+                    STEP: tl.constexpr = 0):
     """out[rows, chunk c] = the decoded chunk c of BN stored rows (program (i, c)), rounded once to out's dtype.
     The same decoders as the GEMV, so a row decodes to the values the GEMV multiplies."""
     pdl.started(GDC)
@@ -460,7 +491,8 @@ def _dequant_kernel(w_ptr, tab_ptr, out_ptr, R, w_row_stride, out_row_stride,
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     c = tl.program_id(1)
     rows_c = tl.minimum(rows, R - 1).to(tl.int64)
-    w, xo = DECODE(w_ptr + rows_c * w_row_stride + c * CHUNK_W, tab_ptr, BN, NB)
+    w, xo = DECODE(chunk_at(w_ptr + row_offsets(rows_c, w_row_stride, TILE, STEP), c * CHUNK_W, TILE, STEP),
+                   tab_ptr, BN, NB)
     v = gb.cast(w, out_ptr.dtype.element_ty)
     off = _trailing(rows_c * out_row_stride, RANK) + c * CHUNK_X + xo[None]
     tl.store(out_ptr + off, v, mask=_trailing(rows < R, RANK))
@@ -478,7 +510,8 @@ def dequantize_rows(w_data: torch.Tensor, type_id: int | str, K: int, out_dtype:
     if n == 0:
         return out
     n_chunks, dec = _decode_args(t, K)
-    dec = {k: v for k, v in dec.items() if k in ("CHUNK_W", "CHUNK_X", "NB")}
+    tile_args(t, K, dec["CHUNK_W"], n)
+    dec = {k: v for k, v in dec.items() if k in ("CHUNK_W", "CHUNK_X", "NB", "TILE", "STEP")}
     _dequant_kernel[(triton.cdiv(n, block_n), n_chunks)](
         w, _table(t, w), out, n, w.stride(0), out.stride(0), DECODE=t.decode, RANK=t.rank, BN=block_n, **dec,
         **pdl.launch(w.device))
@@ -486,10 +519,11 @@ def dequantize_rows(w_data: torch.Tensor, type_id: int | str, K: int, out_dtype:
 
 
 def _chunk_blocks(t: GemvType, k: int) -> int:
-    """Blocks per loop step: the largest power of two <= max_chunk_blocks dividing the row's block count."""
+    """Blocks per loop step: the largest power of two <= max_chunk_blocks dividing the row's block count (and a
+    tile-major type's step)."""
     n_blocks = k // t.block_elems
     nb = t.max_chunk_blocks
-    while n_blocks % nb:
+    while n_blocks % nb or (t.tile is not None and t.tile[1] % (nb * t.block_bytes)):
         nb //= 2
     return nb
 
@@ -579,12 +613,28 @@ def _check_act(act: str) -> None:
 
 
 def _decode_args(t: GemvType, k: int) -> tuple[int, dict[str, Any]]:
-    """The chunk count of a row of k elements and the decoder's compile-time arguments."""
+    """The chunk count of a row of k elements and the decoder's compile-time arguments (with the tile-major
+    layout's TILE and STEP, `tile_args`)."""
     nb = _chunk_blocks(t, k)
     chunk_w = nb if t.dense_dtype is not None else nb * t.block_bytes  # elements of dense rows, bytes of packed
     return k // (nb * t.block_elems), {
         "LOAD": t.load or gb.load_pointer, "PIPE": t.load is not None, "UNPACK": t.unpack or t.decode, "RANK": t.rank,
-        "CHUNK_W": chunk_w, "CHUNK_X": nb * t.block_elems, "NB": nb}
+        "CHUNK_W": chunk_w, "CHUNK_X": nb * t.block_elems, "NB": nb, **tile_args(t, k, chunk_w)}
+
+
+def tile_args(t: GemvType, k: int, chunk_w: int, rows: int | None = None) -> dict[str, int]:
+    """TILE, STEP of a kernel reading rows of k weights of type t in chunks of chunk_w bytes (0, 0: row-major).
+    Raises where a tile-major type's chunks would span two steps, or where its rows (`rows`, when given) or its
+    row bytes are not whole tiles and steps: read so, the kernel would multiply wrong weights."""
+    if t.tile is None:
+        return {"TILE": 0, "STEP": 0}
+    tile, step = t.tile
+    width = k // t.block_elems * t.block_bytes
+    if step % chunk_w or width % step or (rows is not None and rows % tile):
+        raise ValueError(f"{t.name}: tile-major rows ({tile} rows, {step}-byte steps) read in chunks of {chunk_w} "
+                         f"bytes, rows of {width} bytes{f', {rows} rows' if rows is not None else ''}: not whole "
+                         "steps and tiles")
+    return {"TILE": tile, "STEP": step}
 
 
 def _small(t: GemvType, n_tok: int, total_rows: int, by_id: bool = False) -> bool:
@@ -689,6 +739,7 @@ def _launch(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | N
     if t.small_form is not None and _small(t, n_tok, n * slots, ids is not None):
         t = t.small_form
     n_chunks, dec = _decode_args(t, k)
+    tile_args(t, k, dec["CHUNK_W"], n)
     bn = _rows(t, n_tok, block_n, n * slots, ids is not None)
     if up is not None:
         bn = max(2, bn // 2)  # rows of each matrix: the tile of gate and up rows is the plain kernel's
@@ -728,12 +779,11 @@ def _launch_rr(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor 
                up: torch.Tensor | None, up_slot_stride: int, split_k: int | None,
                slot_weights: torch.Tensor | None, shape: tuple[int, int, int, int] | None = None,
                ids_settled: bool = False, q8x: bool = False, q_out: tuple[torch.Tensor, int] | None = None,
-               tile: int = 0) -> bool:
+               ) -> bool:
     """One launch of the row-register kernel (`gemv_rr`) in its `launch_shape` (or `shape`; `split_k` overrides
     its K split, which is dropped where the row tiles outnumber the ticket counters): True, or False when a slot
     sum cannot have its tickets, for the generic kernel to run instead. q_out = (units, span): where the launch
-    can (`gemv_rr.writes_q8x_out`), it also writes out as Q8 units and records them (`gemv_rr.record_q8x`).
-    tile: the weights are stored tile-major (`gemv_rr.tile_major`) in tiles of a program's rows of one matrix."""
+    can (`gemv_rr.writes_q8x_out`), it also writes out as Q8 units and records them (`gemv_rr.record_q8x`)."""
     n_chunks = k // gemv_rr.CHUNK[t.name][0]
     glu = up is not None
     br = (shape or gemv_rr.launch_shape(t.name, n_chunks))[0]
@@ -763,12 +813,9 @@ def _launch_rr(t: GemvType, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor 
             cnt = q_cnt  # a GLU without K split or slot sum takes no other tickets
         else:
             q_out = None
-    if tile and (tile != (br // 2 if glu else br) or split != 1 or n % tile):
-        raise ValueError(f"tile-major weights in tiles of {tile} rows, but the launch takes {br // 2 if glu else br} "
-                         f"rows of {n} per program, K split {split}")
     gemv_rr.launch(t.name, x, w, ids, out, n, k, slots, w_slot_stride, x_slot_stride, out_slot_stride, up,
                    up_slot_stride, (br, sbc, warps, split), _split_sum, part, cnt, slot_weights,
-                   pdl.launch(x.device), ids_early=ids_settled, q8x=q8x, q_out=q_out, tile=tile)
+                   pdl.launch(x.device), ids_early=ids_settled, q8x=q8x, q_out=q_out)
     if q_out is not None:
         gemv_rr.record_q8x(out, *q_out)
     return True

@@ -50,16 +50,23 @@ import triton.language as tl
 from strata.errors import StrataError
 from strata.kernels import gemv_blocks as gb
 from strata.kernels import pdl
+from strata.weights import quants, repack
 
 try:  # the probe's timer and SM id (`PROBE`); the kernels compile without them where PROBE is off
     from triton.language.extra.cuda import globaltimer, smid
 except ImportError:  # pragma: no cover - a Triton without them: no probe
     globaltimer = smid = None
 
-ROW_REGISTER_TYPES = ("Q4_K_R", "Q8_0_R", "Q5_1_R", "Q6_K_R")
+TILE_MAJOR = {quants.GGML_TYPES[i].name: (quants.GGML_TYPES[t.base].name, t.tile, t.step)
+              for i, t in repack.TILE_LAYOUTS.items()}
+"""The tile-major types (`repack.TILE_LAYOUTS`) by name: (the row-major type whose blocks they hold, rows per tile,
+bytes of a row per step). The kernel reads them with TILE; a launch must step through a tile's steps whole."""
+
+ROW_REGISTER_TYPES = ("Q4_K_R", "Q8_0_R", "Q5_1_R", "Q6_K_R", *TILE_MAJOR)
 
 _BASE = {"Q4_K_R": 0x3F000000, "Q8_0_R": 0x3F800000, "Q5_1_R": 0x3F000000, "Q6_K_R": 0x3F000000}
 """The fp32 bits each type's bytes are permuted into (see the module docstring)."""
+_BASE.update({kind: _BASE[base] for kind, (base, _, _) in TILE_MAJOR.items()})
 
 
 @triton.jit
@@ -598,8 +605,8 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
     PROBE (GPU only, `Probe`): the program stores its SM and the global timer when it starts, passes its PDL wait
     (launches by unsettled ids; else 0), ends its K loop and ends, as one row of probe.
 
-    TILE > 0 (`tile_major`): the matrices are stored in tiles of TILE rows (a program's rows of one matrix), each
-    tile step by step: [N / TILE, loop steps, TILE, SBC chunks], so that a program's words of one step lie
+    TILE > 0 (a `TILE_MAJOR` type, `repack.tile_major`): the matrices are stored in tiles of TILE rows, each tile
+    step by step: [N / TILE, loop steps, TILE, SBC chunks], so that the words of one step of a tile's rows lie
     together; row strides are then ignored."""
     if PROBE:
         t_start = globaltimer()
@@ -627,7 +634,6 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
     else:
         rows_c = tl.minimum(pid * BR + r, N - 1).to(tl.int64)
     if TILE > 0:
-        tl.static_assert(SPLIT == 1, "tile-major weights: no K split")
         g_off = (rows_c // TILE) * (TILE * NCH * CHUNK_BYTES) + (rows_c % TILE) * (SBC * CHUNK_BYTES)
         u_off = g_off
     else:
@@ -638,7 +644,7 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
     else:
         rp = g_ptr + mat * g_slot_stride + g_off
     NC: tl.constexpr = NCH // SPLIT
-    rp = tl.multiple_of(rp + part * (NC * CHUNK_BYTES), 16)
+    rp = tl.multiple_of(rp + part * (NC * CHUNK_BYTES * (TILE if TILE > 0 else 1)), 16)
     if XQ:  # Q8 activations (`Q8X_UNIT`): int32 words of units of 128 values
         xp = (x_ptr + slot * x_slot_stride + part * (NC * CHUNK_ELEMS // 128 * 160) + r * X_ROW_STRIDE)
         xp = xp.to(tl.pointer_type(tl.int32))[:, None, None, None]
@@ -698,6 +704,7 @@ Q8X_ORDER = {"Q4_K_R": 8, "Q8_0_R": 8, "Q5_1_R": 4, "Q6_K_R": 8}
 """The types with a K loop for Q8 activations (`XQ`), and the span S of a word's bytes in a run of x as each
 type's words hold their weights (`repack.py`): byte b of word w holds value S b + w (S = 8), or for S = 4 value
 4 b + w of the run's first 16 (words 0-3) and 16 + 4 b + (w - 4) of its last 16 (words 4-7)."""
+Q8X_ORDER.update({kind: Q8X_ORDER[base] for kind, (base, _, _) in TILE_MAJOR.items()})
 
 Q8X_UNIT = (128, 160)
 """(values, bytes) of a unit of Q8 activations as the kernel reads them (`strata.kernels.gemv_q8x.quantize`): the
@@ -739,6 +746,7 @@ def recorded_q8x(x: torch.Tensor, span: int) -> torch.Tensor | None:
 CHUNK = {"Q4_K_R": (256, 144), "Q8_0_R": (256, 272), "Q5_1_R": (128, 96), "Q6_K_R": (256, 224)}
 """(weights, bytes) of one loop chunk of each type: a super-block, or a group of 8 (Q8_0_R) or 4 (Q5_1_R)
 blocks."""
+CHUNK.update({kind: CHUNK[base] for kind, (base, _, _) in TILE_MAJOR.items()})
 
 
 def launch_shape(kind: str, n_chunks: int, tiles: int = 1 << 30) -> tuple[int, int, int, int]:
@@ -746,8 +754,14 @@ def launch_shape(kind: str, n_chunks: int, tiles: int = 1 << 30) -> tuple[int, i
     rows of n_chunks chunks. One row per thread: a warp covers 4 rows per step of 2 Q4_K_R super-blocks (8 per
     step of one, for an odd count), 4 Q8_0_R rows, 8 Q5_1_R rows. The launches are latency-bound, so the K loop is
     split over more programs when there are few row tiles and many chunks. 2 or 4 rows per thread, or
-    prefetching a further chunk, measured slower or equal (bench/results/2026-12-04-h200-gemv-rr-lab*.json)."""
-    if kind == "Q6_K_R" and tiles >= BIG_LAUNCH_TILES:
+    prefetching a further chunk, measured slower or equal (bench/results/2026-12-04-h200-gemv-rr-lab*.json).
+    A tile-major type (`TILE_MAJOR`) steps through its tiles' steps: Q4_K_RT two super-blocks per step in the
+    Q4_K_R shape, Q6_K_RT one in the big Q6_K_R launches' shape."""
+    if kind in TILE_MAJOR:
+        base, tile, step = TILE_MAJOR[kind]
+        br, sbc, warps = (8, 2, 2) if base == "Q4_K_R" else (16, 1, 2)
+        assert sbc * CHUNK[kind][1] == step, kind
+    elif kind == "Q6_K_R" and tiles >= BIG_LAUNCH_TILES:
         br, sbc, warps = 16, 1, 2
     elif kind in ("Q4_K_R", "Q6_K_R"):
         br, sbc, warps = (8, 2, 2) if n_chunks % 2 == 0 else (16, 1, 2)
@@ -759,22 +773,6 @@ def launch_shape(kind: str, n_chunks: int, tiles: int = 1 << 30) -> tuple[int, i
     while tiles * split < SPLIT_MIN_PROGRAMS and n_chunks % (2 * split * sbc) == 0 and n_chunks // (2 * split) >= 4:
         split *= 2
     return br, sbc, warps, split
-
-
-def tile_major(rows: torch.Tensor, kind: str, tile: int, chunks_per_step: int, undo: bool = False) -> torch.Tensor:
-    """The (..., N, row bytes) stored rows of a row-register type reordered into tiles of `tile` rows, each tile
-    step by step (`_rr_kernel`'s TILE): [..., N / tile, steps, tile, step bytes], the same bytes, so that the words
-    one program loads in one K-loop step are contiguous instead of `tile` pieces a row apart. undo: the reverse
-    (tile-major rows back to row-major)."""
-    n, row_bytes = rows.shape[-2:]
-    step_bytes = chunks_per_step * CHUNK[kind][1]
-    if n % tile or row_bytes % step_bytes:
-        raise StrataError(f"tile-major {kind}: {n} rows of {row_bytes} bytes do not split into tiles of {tile} rows "
-                          f"and steps of {step_bytes} bytes")
-    lead, steps = rows.shape[:-2], row_bytes // step_bytes
-    inner = (steps, tile) if undo else (tile, steps)
-    t = rows.reshape(*lead, n // tile, *inner, step_bytes)
-    return t.transpose(-3, -2).contiguous().reshape(rows.shape)
 
 
 AFTER_LOOP, AT_WAIT, FIRST = 0, 1, 2
@@ -887,19 +885,24 @@ def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None
            k: int, slots: int, w_slot_stride: int, x_slot_stride: int, out_slot_stride: int,
            up: torch.Tensor | None, up_slot_stride: int, shape: tuple[int, int, int, int], split_sum,
            part: torch.Tensor, cnt: torch.Tensor, slot_weights: torch.Tensor | None, gdc: dict,
-           ids_early: bool = False, q8x: bool = False, q_out: tuple[torch.Tensor, int] | None = None,
-           tile: int = 0) -> None:
+           ids_early: bool = False, q8x: bool = False, q_out: tuple[torch.Tensor, int] | None = None) -> None:
     """One launch over `slots` matrices (by `ids` when given) of n rows of k weights, in `shape`
     (`launch_shape`); `up` makes it the GLU (w is then the gate); `slot_weights` sums the slots into out's one row.
     Strides in elements of each tensor (bytes for the weights). The caller (`gemv._launch`) checked `covers`
     and gives the split-K scratch (`part`, `cnt`: tickets) and `gemv._split_sum`; `ids_early`: the ids are
     settled (`_rr_kernel`'s IDS_EARLY); `q8x`: x holds Q8 activations (`strata.kernels.gemv_q8x`, strides in bytes
     of its units), which `Q8X_ORDER`'s types take; `q_out` = (units (slots, n / 128 * 160) int8, span): a GLU
-    also writes its output as Q8 units (`writes_q8x_out` says when it can; cnt: its tickets)."""
+    also writes its output as Q8 units (`writes_q8x_out` says when it can; cnt: its tickets). A tile-major kind
+    (`TILE_MAJOR`) is read as its row-major twin with the kernel's TILE; its launch must step through whole steps
+    of its tiles and its matrices must be whole tiles."""
     if q8x and kind not in Q8X_ORDER:
         raise ValueError(f"{kind}: no GEMV with Q8 activations (those are {', '.join(Q8X_ORDER)})")
     br, sbc, warps, split = shape
     glu = up is not None
+    base, tile, step = TILE_MAJOR.get(kind, (kind, 0, 0))
+    if tile and (sbc * CHUNK[kind][1] != step or n % tile):
+        raise ValueError(f"{kind}: tile-major rows ({tile} rows, {step}-byte steps) read {sbc} chunks of "
+                         f"{CHUNK[kind][1]} bytes per step over {n} rows: not whole steps and tiles")
     if q_out is not None and not writes_q8x_out(glu, n, slots, shape, slot_weights is not None, cnt):
         raise ValueError(f"this launch cannot write Q8 units of its output (GLU {glu}, {n} rows, shape {shape})")
     u = up if glu else w
@@ -913,7 +916,7 @@ def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None
         w_slot_stride,
         up_slot_stride if glu else w_slot_stride, x_slot_stride, out_slot_stride,
         q_out[0].stride(0) if q_out is not None else 0, _BASE[kind], 0, 1,
-        KIND=kind, CHUNK_ELEMS=CHUNK[kind][0], CHUNK_BYTES=CHUNK[kind][1], NCH=k // CHUNK[kind][0], SBC=sbc, BR=br,
+        KIND=base, CHUNK_ELEMS=CHUNK[kind][0], CHUNK_BYTES=CHUNK[kind][1], NCH=k // CHUNK[kind][0], SBC=sbc, BR=br,
         GLU=glu, HAS_IDS=ids is not None, ASM=x.device.type == "cuda", SPLIT_SUM=split_sum, SPLIT=split,
         SLOT_SUM=slots if slot_weights is not None else 0, IDS_EARLY=ids_early and ids is not None,
         RELEASE=RELEASE[cls], PRE=preload_steps(kind, k // CHUNK[kind][0] // (split * sbc), q8x), XW=WIDEN_X_ASM,

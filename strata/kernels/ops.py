@@ -72,9 +72,11 @@ _FLOAT_X = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def stored_rows(w: StoredTensor) -> tuple[torch.Tensor, str] | None:
-    """(raw rows, type name) of a stored tensor the GEMV can read directly (`raw_rows` of a type it knows), or
-    None."""
-    raw = raw_rows(w) if w.kind in GEMV_TYPE_NAMES else None
+    """(raw rows, type name) of a stored tensor the GEMV can read directly (`raw_rows` of a type it knows; for a
+    tile-major type its `tiled_rows`, which only the kernels given its type name read as tiles), or None."""
+    if w.kind not in GEMV_TYPE_NAMES:
+        return None
+    raw = w.tiled_rows() if getattr(w, "tiled", False) else raw_rows(w)
     return (raw, w.kind) if raw is not None else None
 
 def _as_x(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -15,7 +15,8 @@ import torch
 from strata.errors import StrataError
 from strata.model.ops import Ops, with_activations
 from strata.weights.quant_tensor import QuantTensor
-from strata.weights.repack import (Q4_K_ID, Q4_K_R_ID, Q5_1_ID, Q5_1_R_ID, Q6_K_ID, Q6_K_R_ID, Q8_0_ID, Q8_0_R_ID,
+from strata.weights.repack import (Q4_K_ID, Q4_K_R_ID, Q4_K_RT_ID, Q5_1_ID, Q5_1_R_ID, Q6_K_ID, Q6_K_R_ID, Q6_K_RT_ID,
+                                   Q8_0_ID, Q8_0_R_ID, TILE_LAYOUTS, tile_major_,
                                    reorder_q4_k, reorder_q5_1, reorder_q6_k, reorder_q8_0, repack_rows)
 from strata.weights.schema import Weights
 from strata.weights.tensor import DenseTensor, StackedTensor, StoredTensor, raw_rows
@@ -42,6 +43,16 @@ WORD_ORDERED_STACKS = ("moe.gate_exps", "moe.up_exps", "moe.down_exps")
 shape the routed gate/up GLU 19.5 -> 13.7 us and the down projections with their slot sum (Q5_1) 12.6 -> 9.9 us
 per layer (H200, bench/results/2026-12-04-h200-gemv-rr-lab-*.json)."""
 
+
+TILE_MAJOR_STACKS = ("moe.gate_exps", "moe.up_exps")
+"""Q4_K expert stacks a GPU stores tile-major (Q4_K_RT, `repack.TILE_LAYOUTS`: each 4 rows' two super-blocks of
+one K-loop step together, as the routed GLU's programs read them) where their rows are whole tiles and steps.
+With the head as Q6_K_RT, the 4K step on an H100 4.612-4.626 -> 4.561-4.562 ms per replay (the GLU stacks alone
+4.581, the head alone 4.580; bench/results/2026-12-06-h100-step-variants-{,combined-}fe85101.json)."""
+
+TILE_MAJOR_HEAD_MIN_ROWS = 16 * 4096
+"""Rows from which the 2-D Q6_K head is stored tile-major (Q6_K_RT: 16 rows' super-blocks of one step together):
+the launches of at least `gemv_rr.BIG_LAUNCH_TILES` tiles of 16 rows, whose programs read it so."""
 
 MODEL_DTYPE_MATRICES = ("moe.router", "moe.sh_gate_inp")
 """Float32-stored matrices (GGUF keeps the router in F32) that a GPU stores in the model's dtype when that is a
@@ -122,20 +133,35 @@ def gpu_layout(w: Weights, inplace: bool = False, dtype: torch.dtype | None = No
 def word_ordered(name: str, t: StoredTensor) -> StoredTensor:
     """A Q4_K or Q5_1 expert stack of WORD_ORDERED_STACKS in its word-ordered layout (Q4_K_R, Q5_1_R), a 2-D Q8_0
     matrix as Q8_0_R (the shared expert; the out projections) and a 2-D Q6_K matrix as Q6_K_R (the head: 248320 x
-    2560 in 224 us against 333 as Q6_K_P, the former layout; H200); anything else unchanged. Same values."""
+    2560 in 224 us against 333 as Q6_K_P, the former layout; H200); anything else unchanged. Same values. The
+    gate/up stacks (TILE_MAJOR_STACKS) and a large head (TILE_MAJOR_HEAD_MIN_ROWS) go on to their tile-major
+    types (Q4_K_RT, Q6_K_RT) where their rows are whole tiles and steps (`tiled`)."""
     if not isinstance(t, QuantTensor):
         return t
     k = t.shape[-1]
     if name.endswith(WORD_ORDERED_STACKS) and len(t.shape) == 3:
         if t.type_id == Q4_K_ID:
-            return QuantTensor(t.name, reorder_q4_k(t.data, k), Q4_K_R_ID, t.shape)
+            r = QuantTensor(t.name, reorder_q4_k(t.data, k), Q4_K_R_ID, t.shape)
+            return tiled(r, Q4_K_RT_ID) if name.endswith(TILE_MAJOR_STACKS) else r
         if t.type_id == Q5_1_ID and k % 128 == 0:
             return QuantTensor(t.name, reorder_q5_1(t.data, k), Q5_1_R_ID, t.shape)
     if t.type_id == Q8_0_ID and len(t.shape) == 2 and k % 256 == 0:
         return QuantTensor(t.name, reorder_q8_0(t.data, k), Q8_0_R_ID, t.shape)
     if t.type_id == Q6_K_ID and len(t.shape) == 2:
-        return QuantTensor(t.name, reorder_q6_k(t.data, k), Q6_K_R_ID, t.shape)
+        r = QuantTensor(t.name, reorder_q6_k(t.data, k), Q6_K_R_ID, t.shape)
+        return tiled(r, Q6_K_RT_ID) if name == "head" and t.shape[0] >= TILE_MAJOR_HEAD_MIN_ROWS else r
     return t
+
+
+def tiled(t: QuantTensor, type_id: int) -> QuantTensor:
+    """Row-major t (of the base type of tile-major `type_id`) as that type, its bytes re-laid in place
+    (`repack.tile_major_`); t unchanged where its rows are not whole tiles and steps."""
+    layout = TILE_LAYOUTS[type_id]
+    if t.type_id != layout.base or t.shape[-2] % layout.tile or t.data.shape[-1] % layout.step:
+        return t
+    data = tile_major_(t.data.contiguous(), layout.tile, layout.step)
+    return QuantTensor(t.name, data.view(*t.shape[:-2], t.shape[-2] // layout.tile, layout.tile, data.shape[-1]),
+                       type_id, t.shape)
 
 
 def fuse_groups(w: Weights, repack: bool = False) -> Weights:

@@ -89,6 +89,8 @@ _SUPPORTED: tuple[tuple[GGMLType, Decoder], ...] = (
     (GGMLType(repack.Q4_K_R_ID, "Q4_K_R", 256, 144), repack.q4_k_r),
     (GGMLType(repack.Q5_1_R_ID, "Q5_1_R", 128, 96), repack.q5_1_r),
     (GGMLType(repack.Q6_K_R_ID, "Q6_K_R", 256, 224), repack.q6_k_r),
+    (GGMLType(repack.Q4_K_RT_ID, "Q4_K_RT", 256, 144), repack.q4_k_r),  # tile-major: see `dequantize`
+    (GGMLType(repack.Q6_K_RT_ID, "Q6_K_RT", 256, 224), repack.q6_k_r),
 )
 
 GGML_TYPES: dict[int, GGMLType] = {t.id: t for t, _ in _SUPPORTED}
@@ -132,7 +134,8 @@ def row_bytes(type_id: int, cols: int) -> int:
 def dequantize(data: Tensor, type_id: int, cols: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """Decode uint8 `data`, shape (rows, row_bytes) or flat (rows * row_bytes,), of type `type_id` into a
     (rows, cols) tensor of `dtype` on data's device. `data` is not modified and the result never shares its memory.
-    """
+    A tile-major type (`repack.TILE_LAYOUTS`) takes whole tiles only: (rows, row_bytes) with rows a multiple of its
+    tile, the rows of those tiles in order."""
     qtype = ggml_type(type_id)
     width = row_bytes(type_id, cols)
     if data.dtype != torch.uint8:
@@ -142,5 +145,11 @@ def dequantize(data: Tensor, type_id: int, cols: int, dtype: torch.dtype = torch
         raise ValueError(f"{qtype.name} data of shape {tuple(data.shape)} is not rows of {width} bytes "
                          f"({cols} weights)")
     rows = data.numel() // width
+    layout = repack.TILE_LAYOUTS.get(type_id)
+    if layout is not None:
+        if data.dim() != 2 or rows % layout.tile:
+            raise ValueError(f"{qtype.name} data of shape {tuple(data.shape)}: tile-major bytes decode in whole "
+                             f"tiles of {layout.tile} rows of {width} bytes")
+        data = repack.tile_major(data, layout.tile, layout.step, undo=True)
     blocks = data.reshape(rows * width // qtype.type_size, qtype.type_size)
     return _DECODERS[type_id](blocks).reshape(rows, cols).to(dtype)

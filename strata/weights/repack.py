@@ -32,9 +32,18 @@ Q4_K_R and Q8_0_R order each block's quants for the row-register GEMV (`strata.k
   belong to. Side by side as in Q4_K_R: nibble words 4h..4h+3 of group c at byte 16 + 64h + 16c, high words of
   group c at 144 + 16c.
 All but Q6_K_R keep the bytes and the size of their ggml type.
+
+Q4_K_RT and Q6_K_RT hold Q4_K_R and Q6_K_R blocks tile-major (`TILE_LAYOUTS`, `tile_major`): a matrix's rows in
+tiles of `tile` rows, each tile stored step by step, [N / tile, row bytes / step, tile, step], so that the words a
+row-register program loads in one K-loop step (its tile's rows, one step of bytes each) lie together instead of
+`tile` pieces a row apart. The blocks are the same; only whole tiles are stored together, so such a tensor has no
+row of its own: `QuantTensor` keeps its bytes as (..., N / tile, tile, row bytes) and refuses to read rows one by
+one, and `quants.dequantize` takes whole tiles only.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -51,9 +60,56 @@ Q5_1_R_ID = 1007
 Q6_K_ID = 14
 Q6_K_P_ID = 1014
 Q6_K_R_ID = 1114
+Q4_K_RT_ID = 1013
+Q6_K_RT_ID = 1115
 Q6_K_BYTES, Q6_K_P_BYTES = 210, 224
 FIRST_REPACKED_ID = 1000
 """Ids of strata's repacked types start here, far above ggml's."""
+
+
+@dataclass(frozen=True)
+class TileLayout:
+    """How a tile-major type stores its `base` type's rows: tiles of `tile` rows, `step` bytes of each row per
+    step (the row-register GEMV's rows of one matrix per program and bytes per row per K-loop step)."""
+
+    base: int
+    tile: int
+    step: int
+
+
+TILE_LAYOUTS = {Q4_K_RT_ID: TileLayout(Q4_K_R_ID, 4, 2 * 144), Q6_K_RT_ID: TileLayout(Q6_K_R_ID, 16, 224)}
+"""The tile-major types by id. Q4_K_RT: the routed experts' gate/up stacks as their GLU launch reads them (4 rows
+of each matrix per program, two super-blocks per step); Q6_K_RT: the head as its launch reads it (16 rows, one
+super-block per step). In the 4K step on an H100 the two together 4.612-4.626 -> 4.561-4.562 ms per replay
+(bench/results/2026-12-06-h100-step-variants-combined-fe85101.json)."""
+
+
+def tile_major(rows: Tensor, tile: int, step: int, undo: bool = False) -> Tensor:
+    """(..., N, row bytes) rows reordered into tiles of `tile` rows, each tile step by step: (..., N / tile, steps,
+    tile, step) flattened back to the same shape, the same bytes; a new tensor. undo: the reverse."""
+    n, row_bytes = rows.shape[-2:]
+    if n % tile or row_bytes % step:
+        raise ValueError(f"tile-major: {n} rows of {row_bytes} bytes do not split into tiles of {tile} rows and "
+                         f"steps of {step} bytes")
+    lead, steps = rows.shape[:-2], row_bytes // step
+    inner = (steps, tile) if undo else (tile, steps)
+    t = rows.reshape(*lead, n // tile, *inner, step)
+    return t.transpose(-3, -2).contiguous().reshape(rows.shape)
+
+
+def tile_major_(rows: Tensor, tile: int, step: int, undo: bool = False, chunk_bytes: int = 64 << 20) -> Tensor:
+    """`tile_major` in place, a run of whole tiles at a time (a tile never spans two matrices of a stack, so a
+    stack is re-laid as one tall matrix): no copy of the whole tensor is made. Returns rows."""
+    n, row_bytes = rows.shape[-2:]
+    if n % tile or row_bytes % step or not rows.is_contiguous():
+        raise ValueError(f"tile-major: {n} contiguous rows of {row_bytes} bytes do not split into tiles of {tile} "
+                         f"rows and steps of {step} bytes")
+    flat = rows.view(-1, row_bytes)
+    run = max(1, chunk_bytes // (tile * row_bytes)) * tile
+    for r0 in range(0, flat.shape[0], run):
+        part = flat[r0:r0 + run]
+        part.copy_(tile_major(part, tile, step, undo))
+    return rows
 
 
 def q8_0_r8(blocks: Tensor) -> Tensor:
