@@ -40,8 +40,9 @@ SEEDS = 8
 MARGIN = 2.0  # the spread of SEEDS draws understates the tail of rare flips
 
 
-def compare(path: str, ids: list[int], steps: int = 16, activations: str = "float") -> dict:
-    w = load_weights(path)
+def compare(path: str, ids: list[int], steps: int = 16, activations: str = "float", w=None) -> dict:
+    """One model's row (`path` names it; its weights are loaded from it unless given as w)."""
+    w = load_weights(path) if w is None else w
     cpu = Engine(w, "float32", "cpu", activations=activations)
     gpu = Engine(w, "float32", "cuda", activations=activations)
     st_c, st_g = cpu.new_state(), gpu.new_state()
@@ -98,6 +99,34 @@ def jitter_spread(w, ids: list[int], tokens: list[int], ref_prefill: torch.Tenso
                float((dec - ref_decode).abs().max() / ref_decode.abs().max()))
 
 
+TILED_MODEL = "synthetic-tile-major"
+
+
+def tiled_row(args) -> dict:
+    """A synthetic model (the bench's type mix) whose routed gate/up stacks and head the GPU stores tile-major
+    (Q4_K_RT, Q6_K_RT: rows of 512 weights; the head's row threshold lowered to its vocabulary), no fixture or
+    random config being that wide."""
+    from strata.runtime import placement
+    from strata.runtime.synthetic import TypeMix, real_config, synthetic_weights
+
+    cfg = real_config(num_hidden_layers=4, hidden_size=512, vocab_size=512, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=128, linear_num_key_heads=1, linear_num_value_heads=2,
+                      linear_key_head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+                      shared_expert_intermediate_size=256, hc_lowrank=32, ple_embed_dim=256, heads_per_ngram=2,
+                      ngram_vocab_size_base=1000, indexer_budget=16, indexer_head_dim=64, eos_token_id=1)
+    before = placement.TILE_MAJOR_HEAD_MIN_ROWS
+    placement.TILE_MAJOR_HEAD_MIN_ROWS = 16
+    try:
+        w = synthetic_weights(cfg, TypeMix(), "cpu")
+        placed = placement.gpu_layout(w)
+        kinds = sorted({placed[n].kind for n in placed.tensors if getattr(placed[n], "tiled", False)})
+        if kinds != ["Q4_K_RT", "Q6_K_RT"]:
+            raise AssertionError(f"expected tile-major Q4_K_RT and Q6_K_RT tensors, got {kinds}")
+        return compare(TILED_MODEL, list(range(2, 60)), activations=args.activations, w=w)
+    finally:
+        placement.TILE_MAJOR_HEAD_MIN_ROWS = before
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--fixtures", default="fixtures", help="folder holding qwen4exp-tiny fixture files")
@@ -119,10 +148,11 @@ def main() -> int:
             models.append(str(folder))
     except ImportError as e:  # transformers missing on the box: skip the random configs, say so
         print(f"random configs skipped: {e}", file=sys.stderr)
+    models.append(TILED_MODEL)
     for m in models:
         try:
             use = ids if m.startswith(str(fx)) else list(range(2, 60))
-            rows.append(compare(m, use, activations=args.activations))
+            rows.append(compare(m, use, activations=args.activations) if m != TILED_MODEL else tiled_row(args))
         except Exception as e:  # noqa: BLE001 - report and continue with the next model
             rows.append({"model": m, "ok": False, "error": f"{type(e).__name__}: {e}",
                          "trace": traceback.format_exc()[-2000:]})
