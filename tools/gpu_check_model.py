@@ -40,8 +40,10 @@ SEEDS = 8
 MARGIN = 2.0  # the spread of SEEDS draws understates the tail of rare flips
 
 
-def compare(path: str, ids: list[int], steps: int = 16, activations: str = "float", w=None) -> dict:
-    """One model's row (`path` names it; its weights are loaded from it unless given as w)."""
+def compare(path: str, ids: list[int], steps: int = 16, activations: str = "float", w=None,
+            jitter: bool = False) -> dict:
+    """One model's row (`path` names it; its weights are loaded from it unless given as w). jitter: the tolerance
+    is TOL or MARGIN times the reference's jitter spread, as for a model the q8 mode changes."""
     w = load_weights(path) if w is None else w
     cpu = Engine(w, "float32", "cpu", activations=activations)
     gpu = Engine(w, "float32", "cuda", activations=activations)
@@ -65,7 +67,7 @@ def compare(path: str, ids: list[int], steps: int = 16, activations: str = "floa
         seq_g.append(tok_g)
         tok_c, tok_g = int(lc.argmax()), int(lg.argmax())
     spread, tol = None, TOL
-    if mode_diff:  # the mode changes the output: allow what jittering the reference's own products moves
+    if mode_diff or jitter:  # allow what jittering the reference's own products moves
         spread = max(jitter_spread(w, ids, seq_c, ref, torch.stack(logits_c), activations, seed)
                      for seed in range(SEEDS))
         tol = max(TOL, MARGIN * spread)
@@ -105,13 +107,17 @@ TILED_MODEL = "synthetic-tile-major"
 def tiled_row(args) -> dict:
     """A synthetic model (the bench's type mix) whose routed gate/up stacks and head the GPU stores tile-major
     (Q4_K_RT, Q6_K_RT: rows of 512 weights; the head's row threshold lowered to its vocabulary), no fixture or
-    random config being that wide."""
+    random config being that wide. Every token takes every expert: with random weights and 2 of 8 experts the
+    routing of this model nearly ties at one prompt position (the CPU reference's own logits there move by up to
+    6e-4 when its products are jittered by 1e-6; the GPU's by 4.9e-2, bench/results/2026-12-06-h100-model-check-
+    1ed74c8.json), and even so its logits move by up to 7e-5 under that jitter, so the row's tolerance is the
+    q8 rows' (`compare`'s jitter)."""
     from strata.runtime import placement
     from strata.runtime.synthetic import TypeMix, real_config, synthetic_weights
 
     cfg = real_config(num_hidden_layers=4, hidden_size=512, vocab_size=512, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=128, linear_num_key_heads=1, linear_num_value_heads=2,
-                      linear_key_head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+                      linear_key_head_dim=64, num_experts=4, num_experts_per_tok=4, moe_intermediate_size=128,
                       shared_expert_intermediate_size=256, hc_lowrank=32, ple_embed_dim=256, heads_per_ngram=2,
                       ngram_vocab_size_base=1000, indexer_budget=16, indexer_head_dim=64, eos_token_id=1)
     before = placement.TILE_MAJOR_HEAD_MIN_ROWS
@@ -122,7 +128,7 @@ def tiled_row(args) -> dict:
         kinds = sorted({placed[n].kind for n in placed.tensors if getattr(placed[n], "tiled", False)})
         if kinds != ["Q4_K_RT", "Q6_K_RT"]:
             raise AssertionError(f"expected tile-major Q4_K_RT and Q6_K_RT tensors, got {kinds}")
-        return compare(TILED_MODEL, list(range(2, 60)), activations=args.activations, w=w)
+        return compare(TILED_MODEL, list(range(2, 60)), activations=args.activations, w=w, jitter=True)
     finally:
         placement.TILE_MAJOR_HEAD_MIN_ROWS = before
 
