@@ -26,7 +26,8 @@ echo "== PDL and graph equality (captured split, one graph, eager)"
 python tools/gpu_check_pdl.py --out "$out/gpu-check-pdl-$commit.json" 2>&1 | quiet | tail -4
 echo "(exit ${PIPESTATUS[0]})"
 echo "== row-register GEMVs against float64, bf16 x widened both ways"
-python tools/gpu_check_gemv.py --types Q4_K_R,Q8_0_R,Q5_1_R,Q6_K_R --out "$out/gemv-check-rr-$commit.json" 2>&1 \
+python tools/gpu_check_gemv.py --types Q4_K_R,Q8_0_R,Q5_1_R,Q6_K_R,Q4_K_RT,Q6_K_RT \
+    --out "$out/gemv-check-rr-$commit.json" 2>&1 \
     | quiet | tail -6
 echo "(exit ${PIPESTATUS[0]})"
 echo "== model check (GPU against the CPU reference)"

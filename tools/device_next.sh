@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# What the session of 2026-12-06 measured on H100s only, for an H200 (the target's card), in one run: the
-# routed-expert launches alone by where their experts lie, and row-register launches with their weights stored
-# tile-major (a program's words of one K-loop step together: tools/moe_lab.py), then the routed GLU's and down
-# projections' stacks and the head tile-major in the 4K step (tools/step_variants.py tile-major:T). Writes JSON
-# under OUT (default ./device-out), named as bench/results names them. ~3 minutes on an H100.
+# What the sessions of 2026-12-06 measured on H100s only, for an H200 (the target's card), in one run: the decode
+# bench at 4K and 128K (the 128K state does not fit an H100 beside the model), then the routed GLU's stacks and the
+# head as stored (tile-major) against their row-major twins in the 4K step (tools/step_variants.py row-major:T),
+# and the routed-expert launches alone (tools/moe_lab.py). Writes JSON under OUT (default ./device-out), named as
+# bench/results names them. ~5 minutes.
 #
 #   tools/device_next.sh COMMIT
 set -uo pipefail  # no -e: a failed step is reported and the next one still runs
@@ -13,11 +13,14 @@ cd "$(dirname "$0")/.."
 mkdir -p "$out"
 quiet() { grep -v -e Warning -e warn_once || true; }
 
+echo "== decode bench (synthetic real geometry, 4K and 128K)"
+python -m strata.cli.main bench --contexts 4096,131072 --no-stages --profile --timeline --commit "$commit" \
+    --out "$out/synthetic-decode-$commit.json" 2>&1 | quiet | grep -E "ms/token|layer \(|Error"
+echo "(exit ${PIPESTATUS[0]})"
+echo "== tile-major against row-major in the 4K step"
+timeout 300 python tools/step_variants.py --commit "$commit" --out "$out/step-variants-tiled-$commit.json" \
+    base row-major:glu+row-major:head base row-major:glu+row-major:head 2>&1 | quiet
+echo "(exit ${PIPESTATUS[0]})"
 echo "== routed-expert and row-register launches alone (48 layers' worth, captured)"
 python tools/moe_lab.py --commit "$commit" --out "$out/moe-lab-$commit.json" 2>&1 | quiet
-echo "(exit ${PIPESTATUS[0]})"
-echo "== tile-major weights in the 4K step"
-timeout 300 python tools/step_variants.py --commit "$commit" --out "$out/step-variants-tile-$commit.json" \
-    base tile-major:glu tile-major:down tile-major:head tile-major:glu+tile-major:down+tile-major:head base 2>&1 \
-    | quiet
 echo "(exit ${PIPESTATUS[0]})"

@@ -170,7 +170,7 @@ def _prompt_logits(model: Model, tokens: int, chunk: int) -> torch.Tensor:
     return bench.prefill_chunks(model, ids, model.new_state(capacity=tokens + 8), chunk).float().cpu()
 
 
-WEIGHTS: dict = {}  # the synthetic model's weights (main), which the `tile-major:` variants re-lay in place
+WEIGHTS: dict = {}  # the synthetic model's weights (main), which the `row-major:` variants re-lay in place
 TILE_TARGETS = {"glu": ("gate_exps", "up_exps"), "head": ("head",)}  # name -> tensor name suffixes
 ROW_MAJOR: dict[str, QuantTensor] = {}  # tile-major tensors of WEIGHTS re-laid row by row, by name
 
