@@ -47,8 +47,8 @@ per layer (H200, bench/results/2026-12-04-h200-gemv-rr-lab-*.json)."""
 TILE_MAJOR_STACKS = ("moe.gate_exps", "moe.up_exps")
 """Q4_K expert stacks a GPU stores tile-major (Q4_K_RT, `repack.TILE_LAYOUTS`: each 4 rows' two super-blocks of
 one K-loop step together, as the routed GLU's programs read them) where their rows are whole tiles and steps.
-With the head as Q6_K_RT, the 4K step on an H100 4.612-4.626 -> 4.561-4.562 ms per replay (the GLU stacks alone
-4.581, the head alone 4.580; bench/results/2026-12-06-h100-step-variants-{,combined-}fe85101.json)."""
+With the head as Q6_K_RT, the 4K step on an H100 4.562-4.563 -> 4.493-4.494 ms per replay against both row-major
+(bench/results/2026-12-06-h100-step-variants-tiled-1ed74c8.json)."""
 
 TILE_MAJOR_HEAD_MIN_ROWS = 16 * 4096
 """Rows from which the 2-D Q6_K head is stored tile-major (Q6_K_RT: 16 rows' super-blocks of one step together):

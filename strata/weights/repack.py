@@ -80,8 +80,8 @@ class TileLayout:
 TILE_LAYOUTS = {Q4_K_RT_ID: TileLayout(Q4_K_R_ID, 4, 2 * 144), Q6_K_RT_ID: TileLayout(Q6_K_R_ID, 16, 224)}
 """The tile-major types by id. Q4_K_RT: the routed experts' gate/up stacks as their GLU launch reads them (4 rows
 of each matrix per program, two super-blocks per step); Q6_K_RT: the head as its launch reads it (16 rows, one
-super-block per step). In the 4K step on an H100 the two together 4.612-4.626 -> 4.561-4.562 ms per replay
-(bench/results/2026-12-06-h100-step-variants-combined-fe85101.json)."""
+super-block per step). In the 4K step on an H100 the two together 4.562-4.563 -> 4.493-4.494 ms per replay
+against their row-major twins (bench/results/2026-12-06-h100-step-variants-tiled-1ed74c8.json)."""
 
 
 def tile_major(rows: Tensor, tile: int, step: int, undo: bool = False) -> Tensor:
