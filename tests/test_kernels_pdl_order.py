@@ -79,7 +79,8 @@ def _cases() -> dict:
     """Name -> a function that compiles one case and returns its PTX."""
     cases = {}
     for release in (RR.AFTER_LOOP, RR.AT_WAIT, RR.FIRST):
-        cases[f"unsettled-Q4_K_R-{release}"] = lambda r=release: _rr_ptx("Q4_K_R", True, False, r)
+        for kind in ("Q4_K_R", "Q4_K_RT"):  # the routed GLU's stacks as stored on a GPU: tile-major
+            cases[f"unsettled-{kind}-{release}"] = lambda r=release, k=kind: _rr_ptx(k, True, False, r)
         for kind in ("Q8_0_R", "Q4_K_R"):
             cases[f"plain-{kind}-{release}"] = lambda r=release, k=kind: _rr_ptx(k, False, False, r)
     for settled in (True, False):
@@ -102,7 +103,8 @@ def _cases() -> dict:
             cases[f"hc-{half}-late-{late}"] = lambda h=half, lt=late: _hc_two_launch_ptx(h, lt)
     for x, widen in (("bf16", True), ("bf16", False), ("fp32", True)):
         cases[f"widen-Q8_0_R-{x}-{widen}"] = lambda x=x, w=widen: _rr_ptx("Q8_0_R", False, False, RR.AT_WAIT, x, w)
-    for kind, glu, x in (("Q4_K_R", True, "bf16"), ("Q5_1_R", False, "bf16"), ("Q4_K_R", True, "fp32")):
+    for kind, glu, x in (("Q4_K_R", True, "bf16"), ("Q5_1_R", False, "bf16"), ("Q4_K_R", True, "fp32"),
+                         ("Q4_K_RT", True, "bf16")):
         n, k = (640, 2560) if glu else (2560, 640)
         cases[f"experts-gemm-{kind}-{x}"] = lambda kd=kind, g=glu, x=x, n=n, k=k: compile_experts_gemm(
             kd, n, k, glu=g, x=x).asm["ptx"]
@@ -128,8 +130,9 @@ def _order(ptx: str) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("release", [RR.AFTER_LOOP, RR.AT_WAIT, RR.FIRST])
-def test_rr_by_unsettled_ids_waits_before_letting_the_next_kernel_in(ptx, release):
-    wait, launch = _order(ptx[f"unsettled-Q4_K_R-{release}"])
+@pytest.mark.parametrize("kind", ["Q4_K_R", "Q4_K_RT"])
+def test_rr_by_unsettled_ids_waits_before_letting_the_next_kernel_in(ptx, release, kind):
+    wait, launch = _order(ptx[f"unsettled-{kind}-{release}"])
     assert wait < launch
 
 
@@ -175,7 +178,7 @@ def test_rr_widens_bf16_x_by_inline_ptx_only_when_asked(ptx, x, widen):
         assert mask not in code
 
 
-@pytest.mark.parametrize("case", ["Q4_K_R-bf16", "Q5_1_R-bf16", "Q4_K_R-fp32"])
+@pytest.mark.parametrize("case", ["Q4_K_R-bf16", "Q5_1_R-bf16", "Q4_K_R-fp32", "Q4_K_RT-bf16"])
 def test_experts_gemm_multiplies_16_bit_tiles_on_the_tensor_cores(ptx, case):
     """The prefill's grouped expert GEMM (`experts_gemm`, which the interpreter runs as fp32 products) compiles
     its bf16 products to tensor-core MMAs of bf16 operands with fp32 accumulators, and its fp32 ones (F32_DOT) to

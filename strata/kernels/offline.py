@@ -49,9 +49,11 @@ def compile_rr(kind: str, n: int, k: int, *, glu: bool = False, x: str = "bf16",
     """One one-token launch of `gemv_rr._rr_kernel` over n rows of k weights of `kind` (its `launch_shape`, or
     `shape` = (rows, chunks per step, warps); no K split, bf16 output), compiled for sm_`arch`, and its launch
     facts. release: a `gemv_rr.RELEASE` mode (AFTER_LOOP when None); widen: `gemv_rr.WIDEN_X_ASM` when None;
-    gdc: with PDL; q8x: x as Q8 activations (`gemv_q8x`; `x` is then ignored)."""
+    gdc: with PDL; q8x: x as Q8 activations (`gemv_q8x`; `x` is then ignored). A tile-major kind compiles as its
+    launches do: its row-major twin's loop with TILE."""
     from strata.kernels import gemv, gemv_rr
 
+    base, tile, _ = gemv_rr.TILE_MAJOR.get(kind, (kind, 0, 0))
     widen = gemv_rr.WIDEN_X_ASM if widen is None else widen
     elems, chunk_bytes = gemv_rr.CHUNK[kind]
     n_chunks = k // elems
@@ -61,11 +63,11 @@ def compile_rr(kind: str, n: int, k: int, *, glu: bool = False, x: str = "bf16",
                 cnt_ptr="*i32", sw_ptr="*fp32", q_ptr="*i8", probe_ptr="*i64")
     ints = dict(N=n, g_row_stride=rb, u_row_stride=rb, g_slot_stride=rb * n, u_slot_stride=rb * n, x_slot_stride=0,
                 out_slot_stride=0, q_slot_stride=0, BASE=gemv_rr._BASE[kind], X_ROW_STRIDE=0, D_STRIDE=1)
-    consts = dict(KIND=kind, CHUNK_ELEMS=elems, CHUNK_BYTES=chunk_bytes, NCH=n_chunks, SBC=sbc, BR=br, GLU=glu,
+    consts = dict(KIND=base, CHUNK_ELEMS=elems, CHUNK_BYTES=chunk_bytes, NCH=n_chunks, SBC=sbc, BR=br, GLU=glu,
                   HAS_IDS=has_ids, ASM=True, SPLIT_SUM=gemv._split_sum, SPLIT=1, SLOT_SUM=0, IDS_EARLY=ids_early,
                   RELEASE=gemv_rr.AFTER_LOOP if release is None else release,
                   PRE=gemv_rr.preload_steps(kind, n_chunks // sbc, q8x), XW=widen, XQ=q8x, QOUT=0, PROBE=probe,
-                  TILE=0, GDC=gdc)
+                  TILE=tile, GDC=gdc)
     ck = compile_for(gemv_rr._rr_kernel, ptrs, ints, consts, warps, arch)
     return ck, dict(type=kind, n=n, k=k, kernel="rr glu" if glu else "rr", BN=br, warps=warps, NB=sbc,
                     x="q8" if q8x else x,
@@ -93,5 +95,5 @@ def compile_experts_gemm(kind: str, n: int, k: int, *, glu: bool = False, x: str
     load, unpack = eg.decoder(t)
     consts = dict(LOAD=load, UNPACK=unpack, CHUNK_W=chunk_w, CX=cx, NB=nb,
                   BM=bm, BN=eg.BLOCK_N, GLU=glu, X_ROWS=glu, OUT_ROWS=not glu, ACT="silu", F32_DOT=x == "fp32",
-                  GDC=True)
+                  GDC=True, **gemv.tile_args(t, k, chunk_w))
     return compile_for(eg._experts_gemm_kernel, ptrs, ints, consts, eg.NUM_WARPS, arch)
