@@ -42,10 +42,7 @@ def config(**overrides) -> ModelConfig:
 
 # ------------------------------------------------------------------------------------------------ GDN
 @pytest.mark.parametrize("order,gate", [("grouped", "silu"), ("tiled", "sigmoid")])
-@pytest.mark.parametrize("state_last", [False, True])
-def test_gdn_step_matches_reference(monkeypatch, order, gate, state_last):
-    """With the updated state stored before the tickets or after them (`STATE_LAST`) alike."""
-    monkeypatch.setattr(gdn, "STATE_LAST", state_last)
+def test_gdn_step_matches_reference(order, gate):
     cfg = config(output_gate_type=gate)
     g = torch.Generator().manual_seed(1)
     C, nv, dk, dv, K = (cfg.gdn_conv_dim, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
@@ -73,17 +70,15 @@ class _NoLaunch:
 @pytest.mark.parametrize("order,gate,dtype,K,block_v,heads", [
     ("grouped", "silu", torch.float32, 4, 8, (2, 4)), ("tiled", "sigmoid", torch.float32, 4, 8, (2, 4)),
     ("tiled", "silu", torch.bfloat16, 2, 16, (1, 2)), ("grouped", "sigmoid", torch.float32, 3, 4, (2, 2))])
-@pytest.mark.parametrize("early,state_last", [(True, False), (False, False), (True, True)])
-def test_gdn_step_one_launch_equals_two(monkeypatch, order, gate, dtype, K, block_v, heads, early, state_last):
+@pytest.mark.parametrize("early", [True, False])
+def test_gdn_step_one_launch_equals_two(monkeypatch, order, gate, dtype, K, block_v, heads, early):
     """The ticketed one-launch step (norm by the last program of each value head, q / k window shift by the
     last program of each key head) gives the two-launch path's bits: output, conv window and state, over
     consecutive tokens (each window shift feeds the next conv); the ticket counters are back at zero. With the
-    stored weights and gate inputs loaded early (`EARLY_LOADS`) or by the last program alike, and with the state
-    stored first or last (`STATE_LAST`)."""
+    stored weights and gate inputs loaded early (`EARLY_LOADS`) or by the last program alike."""
     from strata.kernels import gemv
 
     monkeypatch.setattr(gdn, "EARLY_LOADS", early)
-    monkeypatch.setattr(gdn, "STATE_LAST", state_last)
 
     cfg = config(output_gate_type=gate, linear_conv_kernel_dim=K, linear_num_key_heads=heads[0],
                  linear_num_value_heads=heads[1])

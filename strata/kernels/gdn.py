@@ -54,11 +54,6 @@ every program its head's gate inputs right after it (`_gdn_step_kernel`'s EARLY)
 normalises a head finds them in registers after its ticket instead of loading them then. The same values either
 way; False for A/B runs (`tools/step_variants.py gdn-early:0`)."""
 
-STATE_LAST = False
-"""Whether the step kernel stores its updated state slab last, after the tickets and the gated norm
-(`_gdn_step_kernel`'s STATE_LAST), so that the tickets' release fences do not wait for the slab's 16 KB of stores:
-no program reads the slab in this step. The same values either way."""
-
 
 @triton.jit
 def _conv_weights(w_ptr, ch, cmask, K: tl.constexpr, KP: tl.constexpr):
@@ -157,14 +152,13 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
                      K: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr,
                      TILED: tl.constexpr, SILU: tl.constexpr, SILU_GATE: tl.constexpr, DT: tl.constexpr,
                      FUSED: tl.constexpr, Q8: tl.constexpr = 0, GDC: tl.constexpr = False,
-                     LATE: tl.constexpr = False, EARLY: tl.constexpr = True, STATE_LAST: tl.constexpr = False):
+                     LATE: tl.constexpr = False, EARLY: tl.constexpr = True):
     """The step of one (dk, BV) state slab; with FUSED also the gated norm and the conv window shift (tickets
     in cnt: NV value-head counters, then NK key-head counters), else `_gdn_out_kernel` does those. Q8 (with
     FUSED; a word span of `gemv_q8x.ORDER`, 0: none): the program that normalises a head also stores it as Q8
     units to xq (`gemv_rr.store_q8x_runs`; DV a multiple of 32). EARLY (`EARLY_LOADS`): the stored weights (conv
     taps, A, dt bias, norm weight) are loaded before the PDL wait and the head's gate inputs z right after it,
-    with the state, instead of by the last program after its tickets; the same values either way. STATE_LAST
-    (`STATE_LAST`): the updated state slab is stored at the end, after the tickets and the norm."""
+    with the state, instead of by the last program after its tickets; the same values either way."""
     if not LATE:
         pdl.started(GDC)
     j = tl.program_id(0)  # value head
@@ -215,8 +209,7 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
     delta = (v - r) * beta
     S = S + k[:, None] * delta[None, :]
     o = tl.sum(S * q[:, None], axis=0)
-    if not STATE_LAST:
-        tl.store(sp_ptrs, S, mask=smask)
+    tl.store(sp_ptrs, S, mask=smask)
     tl.store(o_ptr + j * DV + vcol, o.to(DT), mask=vm)
 
     if FUSED:
@@ -245,8 +238,6 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
             tl.debug_barrier()  # the head's outputs are stored before they are read back
             rr = j * (DV // 32) + tl.arange(0, BD // 32)[:, None]
             store_q8x_runs(out_ptr, xq_ptr, rr, rr < j * (DV // 32) + (DV // 32) * vlast, Q8, BD // 32, CG=True)
-    if STATE_LAST:
-        tl.store(sp_ptrs, S, mask=smask)
 
 
 @triton.jit
@@ -312,8 +303,7 @@ def gdn_step(x: torch.Tensor, z: torch.Tensor, b: torch.Tensor, alpha: torch.Ten
         xq if emit else o, nk, nv, dk, dv, cfg.gdn_key_dim, nv // nk, nvb, dk ** -0.5, cfg.rms_norm_eps,
         K=K, KP=triton.next_power_of_2(K), BK=triton.next_power_of_2(dk), BV=bv, BD=bd,
         TILED=prm.value_order == "tiled", SILU=cfg.hidden_act == "silu", SILU_GATE=silu_gate, DT=TL_DTYPES[dt],
-        FUSED=cnt is not None, Q8=q8_span if emit else 0, EARLY=EARLY_LOADS, STATE_LAST=STATE_LAST,
-        **pdl.launch(x.device, "gdn_step"))
+        FUSED=cnt is not None, Q8=q8_span if emit else 0, EARLY=EARLY_LOADS, **pdl.launch(x.device, "gdn_step"))
     if emit:
         gemv_rr.record_q8x(out, xq, q8_span)
     if cnt is None:  # no ticket counters on this stream: the norm and shift in a second launch
