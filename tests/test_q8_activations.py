@@ -148,4 +148,3 @@ def test_q8_mode_is_discontinuous_at_rounding_boundaries(fixtures_dir) -> None:
         got = jit.prefill(ids, jit.new_state(), all_logits=True)
         moved[mode] = float((got - want).abs().max() / want.abs().max())
     assert moved["float"] < 1e-5 and moved["q8"] > 1e-4, moved
-

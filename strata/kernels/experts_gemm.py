@@ -24,7 +24,7 @@ import triton.language as tl
 from strata.kernels import gemv_blocks as gb
 from strata.kernels import pdl
 from strata.kernels.gemv import (GemvType, _act, _check_act, _check_x, _glu_weights, _out, _table, _weights,
-                                 chunk_at, gemv_type, row_offsets, tile_args)
+                                 gemv_type, tile_args)
 
 CHUNK_ELEMS = 256
 """x elements per K step (fewer where a type's block is larger or the row is shorter): a [BN, 256] fp32 tile is
@@ -111,7 +111,7 @@ def _experts_gemm_kernel(x_ptr, w_ptr, u_ptr, tab_ptr, tiles_ptr, x_rows_ptr, ou
     stack (same strides) and out = act(g) * u rounded as `gemv._glu_kernel`; else out = the fp32 product.
     F32_DOT: the products in IEEE fp32 (fp32 x; and off CUDA, where Triton's interpreter multiplies 16-bit
     floats as their integer bits): the same products as a 16-bit dot with fp32 accumulation, whose operands
-    fp32 holds exactly. TILE, STEP: tile-major stacks (`gemv.row_offsets`, `gemv.chunk_at`)."""
+    fp32 holds exactly. TILE, STEP: tile-major stacks (`gemv_blocks.row_offsets`, `chunk_at`)."""
     pdl.started(GDC)
     pdl.wait(GDC)
     t = tl.program_id(0)
@@ -128,8 +128,8 @@ def _experts_gemm_kernel(x_ptr, w_ptr, u_ptr, tab_ptr, tiles_ptr, x_rows_ptr, ou
         xr = m.to(tl.int64)
     rows = tl.program_id(1) * BN + tl.arange(0, BN)
     rows_c = tl.minimum(rows, N - 1).to(tl.int64)
-    rp = w_ptr + e.to(tl.int64) * w_expert_stride + row_offsets(rows_c, w_row_stride, TILE, STEP)
-    up = u_ptr + e.to(tl.int64) * w_expert_stride + row_offsets(rows_c, w_row_stride, TILE, STEP)
+    rp = w_ptr + e.to(tl.int64) * w_expert_stride + gb.row_offsets(rows_c, w_row_stride, TILE, STEP)
+    up = u_ptr + e.to(tl.int64) * w_expert_stride + gb.row_offsets(rows_c, w_row_stride, TILE, STEP)
     dt: tl.constexpr = x_ptr.dtype.element_ty
     xo = _x_offsets(rp, tab_ptr, LOAD, UNPACK, NB, BN, CX)
     xp = x_ptr + xr[:, None] * x_stride + xo[None, :]
@@ -139,10 +139,10 @@ def _experts_gemm_kernel(x_ptr, w_ptr, u_ptr, tab_ptr, tiles_ptr, x_rows_ptr, ou
         xg = tl.load(xp + c * CX, mask=mm[:, None], other=0.0)
         if F32_DOT:
             xg = xg.to(tl.float32)
-        acc = _dot_chunk(acc, xg, chunk_at(rp, c * CHUNK_W, TILE, STEP), tab_ptr, LOAD, UNPACK, NB, BN, CX, dt,
+        acc = _dot_chunk(acc, xg, gb.chunk_at(rp, c * CHUNK_W, TILE, STEP), tab_ptr, LOAD, UNPACK, NB, BN, CX, dt,
                          F32_DOT)
         if GLU:
-            acc_u = _dot_chunk(acc_u, xg, chunk_at(up, c * CHUNK_W, TILE, STEP), tab_ptr, LOAD, UNPACK, NB, BN, CX,
+            acc_u = _dot_chunk(acc_u, xg, gb.chunk_at(up, c * CHUNK_W, TILE, STEP), tab_ptr, LOAD, UNPACK, NB, BN, CX,
                                dt, F32_DOT)
     if GLU:
         acc = gb.rounded(_act(gb.rounded(acc, dt), ACT), dt) * gb.rounded(acc_u, dt)

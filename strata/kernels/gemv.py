@@ -44,6 +44,7 @@ from strata.errors import StrataError
 from strata.kernels import gemv_blocks as gb
 from strata.kernels import gemv_rr, pdl
 from strata.kernels.gemv_tables import device_table
+from strata.weights import repack
 
 MAX_TOKENS = 8
 """Tokens per launch: each has its own accumulator tile (unrolled in the kernel), so more tokens go in groups of 8."""
@@ -77,7 +78,7 @@ class GemvType:
     load, unpack: `decode` split in its loads and its arithmetic (decode = unpack(load(...))), for the GEMV's
         software-pipelined K loop (`_tile`); None: the loop calls `decode` whole.
     tile: (rows, step bytes) of a tile-major type (`repack.TILE_LAYOUTS`): every kernel addresses its rows and
-        chunks through `row_offsets` and `chunk_at`; a chunk never spans two steps.
+        chunks through `gemv_blocks.row_offsets` and `chunk_at`; a chunk never spans two steps.
     dense_dtype: the element type of dense rows (None for block types).
     f16_fields: byte offsets of the fp16 scale fields in a block (for making random blocks with sane scales).
     """
@@ -108,6 +109,12 @@ _Q4_K_BYTES = GemvType("Q4_K", 12, 256, 144, gb.decode_q4_k, 5, 2, block_n=8, nu
                        f16_fields=(0, 2))
 """Q4_K read byte by byte, two super-blocks per step: the faster form for small one-token launches (640 x 2560:
 5.8 us against 10.5 for the word-wise decoder, tools/gemv_lab.py on an H200)."""
+
+def _tile_layout(type_id: int) -> tuple[int, int]:
+    """(rows, step bytes) of a tile-major type, as `repack.TILE_LAYOUTS` defines it."""
+    layout = repack.TILE_LAYOUTS[type_id]
+    return layout.tile, layout.step
+
 
 _TYPE_LIST: tuple[GemvType, ...] = (
     # name, ggml id, block elems, block bytes, decoder, tile rank, max blocks per chunk, then rows/warps per program
@@ -153,9 +160,10 @@ _TYPE_LIST: tuple[GemvType, ...] = (
     GemvType("Q4_K_R", 1012, 256, 144, gb.decode_q4_k_r, 5, 1, block_n=8, num_warps=8, f16_fields=(0, 2)),
     GemvType("Q5_1_R", 1007, 128, 96, gb.decode_q5_1_r, 5, 2, block_n=8, f16_fields=(0, 2, 4, 6, 8, 10, 12, 14)),
     GemvType("Q6_K_R", 1114, 256, 224, gb.decode_q6_k_r, 4, 1, block_n=8, f16_fields=(208,)),
-    GemvType("Q4_K_RT", 1013, 256, 144, gb.decode_q4_k_r, 5, 1, block_n=8, num_warps=8, f16_fields=(0, 2),
-             tile=(4, 288)),
-    GemvType("Q6_K_RT", 1115, 256, 224, gb.decode_q6_k_r, 4, 1, block_n=8, f16_fields=(208,), tile=(16, 224)),
+    GemvType("Q4_K_RT", repack.Q4_K_RT_ID, 256, 144, gb.decode_q4_k_r, 5, 1, block_n=8, num_warps=8,
+             f16_fields=(0, 2), tile=_tile_layout(repack.Q4_K_RT_ID)),
+    GemvType("Q6_K_RT", repack.Q6_K_RT_ID, 256, 224, gb.decode_q6_k_r, 4, 1, block_n=8, f16_fields=(208,),
+             tile=_tile_layout(repack.Q6_K_RT_ID)),
 )
 
 GEMV_TYPES: dict[int, GemvType] = {t.type_id: t for t in _TYPE_LIST}
@@ -221,26 +229,6 @@ def _put(res, a, t: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, RANK: tl
 
 
 @triton.jit
-def row_offsets(rows, row_stride, TILE: tl.constexpr, STEP: tl.constexpr):
-    """Where stored rows start, in units of row_stride's: rows * row_stride, or for tile-major rows (TILE > 0,
-    `GemvType.tile`) the start of their tile plus their STEP-unit piece of its first step."""
-    if TILE > 0:
-        return (rows // TILE) * (TILE * row_stride) + (rows % TILE) * STEP
-    else:
-        return rows * row_stride
-
-
-@triton.jit
-def chunk_at(rp, o, TILE: tl.constexpr, STEP: tl.constexpr):
-    """The address o units into the rows at rp (`row_offsets`): rp + o, or for tile-major rows the piece of step
-    o // STEP (a tile's steps lie TILE * STEP apart)."""
-    if TILE > 0:
-        return rp + (o // STEP) * (TILE * STEP) + o % STEP
-    else:
-        return rp + o
-
-
-@triton.jit
 def _tile(xp, xs, rp, o0, tab_ptr, n_chunks,
           LOAD: tl.constexpr, UNPACK: tl.constexpr, PIPE: tl.constexpr, RANK: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK_X: tl.constexpr,
           NB: tl.constexpr, ROWS: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, GDC: tl.constexpr,
@@ -260,10 +248,10 @@ def _tile(xp, xs, rp, o0, tab_ptr, n_chunks,
 
     GDC: the first chunk's weights are loaded before `pdl.wait`, overlapping the end of the previous kernel
     (weights are never written by a kernel launched with PDL, so no wait is needed for them)."""
-    raw = LOAD(chunk_at(rp, o0, TILE, STEP), tab_ptr, ROWS, NB)
+    raw = LOAD(gb.chunk_at(rp, o0, TILE, STEP), tab_ptr, ROWS, NB)
     pdl.wait(GDC)
     if PIPE:
-        ahead = LOAD(chunk_at(rp, o0 + tl.minimum(1, n_chunks - 1) * CHUNK_W, TILE, STEP), tab_ptr, ROWS, NB)
+        ahead = LOAD(gb.chunk_at(rp, o0 + tl.minimum(1, n_chunks - 1) * CHUNK_W, TILE, STEP), tab_ptr, ROWS, NB)
     else:
         ahead = raw
     w, xo = UNPACK(raw, tab_ptr, ROWS, NB)
@@ -293,10 +281,10 @@ def _tile(xp, xs, rp, o0, tab_ptr, n_chunks,
         xc = xp + c * CHUNK_X
         if PIPE:
             raw = ahead
-            ahead = LOAD(chunk_at(rp, o0 + tl.minimum(c + 1, n_chunks - 1) * CHUNK_W, TILE, STEP), tab_ptr, ROWS,
+            ahead = LOAD(gb.chunk_at(rp, o0 + tl.minimum(c + 1, n_chunks - 1) * CHUNK_W, TILE, STEP), tab_ptr, ROWS,
                          NB)
         else:
-            raw = LOAD(chunk_at(rp, o0 + c * CHUNK_W, TILE, STEP), tab_ptr, ROWS, NB)
+            raw = LOAD(gb.chunk_at(rp, o0 + c * CHUNK_W, TILE, STEP), tab_ptr, ROWS, NB)
         w, xo = UNPACK(raw, tab_ptr, ROWS, NB)
         a0 += w * _x(xc, xo, xs, 0)
         if T > 1:
@@ -395,7 +383,7 @@ def _gemv_kernel(
     s = tl.program_id(2)
     rows = pid * BN + tl.arange(0, BN)
     rows_c = tl.minimum(rows, N - 1).to(tl.int64)
-    rp = w_ptr + _matrix(ids_ptr, slot, HAS_IDS) * w_slot_stride + row_offsets(rows_c, w_row_stride, TILE, STEP)
+    rp = w_ptr + _matrix(ids_ptr, slot, HAS_IDS) * w_slot_stride + gb.row_offsets(rows_c, w_row_stride, TILE, STEP)
     xp = x_ptr + slot * x_slot_stride + s * (n_chunks * CHUNK_X)
     res = _tile(xp, x_tok_stride, rp, s * (n_chunks * CHUNK_W), tab_ptr, n_chunks,
                 LOAD, UNPACK, PIPE, RANK, CHUNK_W, CHUNK_X, NB, BN, T, T_PAD, GDC and not HAS_IDS, TILE, STEP)
@@ -446,8 +434,8 @@ def _glu_kernel(
     r = tl.arange(0, 2 * BN)
     rows_c = tl.minimum(pid * BN + r % BN, N - 1).to(tl.int64)
     mat = _matrix(ids_ptr, slot, HAS_IDS)
-    rp = tl.where(r < BN, g_ptr + mat * g_slot_stride + row_offsets(rows_c, g_row_stride, TILE, STEP),
-                  u_ptr + mat * u_slot_stride + row_offsets(rows_c, u_row_stride, TILE, STEP))
+    rp = tl.where(r < BN, g_ptr + mat * g_slot_stride + gb.row_offsets(rows_c, g_row_stride, TILE, STEP),
+                  u_ptr + mat * u_slot_stride + gb.row_offsets(rows_c, u_row_stride, TILE, STEP))
     if ALIGN > 1:  # both matrices' rows (and a tile-major type's steps) start ALIGN-aligned: keep vector loads
         rp = tl.multiple_of(rp, ALIGN)
     xp = x_ptr + slot * x_slot_stride + s * (n_chunks * CHUNK_X)
@@ -491,8 +479,8 @@ def _dequant_kernel(w_ptr, tab_ptr, out_ptr, R, w_row_stride, out_row_stride,
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     c = tl.program_id(1)
     rows_c = tl.minimum(rows, R - 1).to(tl.int64)
-    w, xo = DECODE(chunk_at(w_ptr + row_offsets(rows_c, w_row_stride, TILE, STEP), c * CHUNK_W, TILE, STEP),
-                   tab_ptr, BN, NB)
+    rp = w_ptr + gb.row_offsets(rows_c, w_row_stride, TILE, STEP)
+    w, xo = DECODE(gb.chunk_at(rp, c * CHUNK_W, TILE, STEP), tab_ptr, BN, NB)
     v = gb.cast(w, out_ptr.dtype.element_ty)
     off = _trailing(rows_c * out_row_stride, RANK) + c * CHUNK_X + xo[None]
     tl.store(out_ptr + off, v, mask=_trailing(rows < R, RANK))

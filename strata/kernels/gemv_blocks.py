@@ -825,3 +825,23 @@ def decode_q6_k_r(rp, tab, BN: tl.constexpr, NB: tl.constexpr):
     sc_hi = _i2f(_u8(sp + 2) ^ 0x80, 128.0) * d
     xo = c * 64 + _word_order(i)
     return tl.join(_i2f(lo, 32.0) * sc_lo, _i2f(hi, 32.0) * sc_hi), tl.join(xo, xo + 32)
+
+
+@triton.jit
+def row_offsets(rows, row_stride, TILE: tl.constexpr, STEP: tl.constexpr):
+    """Where stored rows start, in units of row_stride's: rows * row_stride, or for tile-major rows (TILE > 0,
+    `GemvType.tile`) the start of their tile plus their STEP-unit piece of its first step."""
+    if TILE > 0:
+        return (rows // TILE) * (TILE * row_stride) + (rows % TILE) * STEP
+    else:
+        return rows * row_stride
+
+
+@triton.jit
+def chunk_at(rp, o, TILE: tl.constexpr, STEP: tl.constexpr):
+    """The address o units into the rows at rp (`row_offsets`): rp + o, or for tile-major rows the piece of step
+    o // STEP (a tile's steps lie TILE * STEP apart)."""
+    if TILE > 0:
+        return rp + (o // STEP) * (TILE * STEP) + o % STEP
+    else:
+        return rp + o

@@ -633,8 +633,8 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
         rows_c = tl.minimum(pid * HB + r % HB, N - 1).to(tl.int64)
     else:
         rows_c = tl.minimum(pid * BR + r, N - 1).to(tl.int64)
-    if TILE > 0:
-        g_off = (rows_c // TILE) * (TILE * NCH * CHUNK_BYTES) + (rows_c % TILE) * (SBC * CHUNK_BYTES)
+    if TILE > 0:  # rows of NCH chunks, stored in tiles of steps of SBC chunks (`gemv_blocks.row_offsets`)
+        g_off = gb.row_offsets(rows_c, NCH * CHUNK_BYTES, TILE, SBC * CHUNK_BYTES)
         u_off = g_off
     else:
         g_off = rows_c * g_row_stride
