@@ -1,0 +1,116 @@
+"""How fast one launch can merely read the routed GLU's bytes (run on the device box).
+
+The routed GLU (10 experts' Q4_K gate/up rows, 18.4 MB) takes ~14-16 us alone on an H100 (tools/moe_lab.py), 42%
+of the copy bandwidth, while a Q8_0_R GEMV of 44.8 MB reaches 86%. Before rebuilding the GLU this lab asks what a
+launch of that size can reach at all: a kernel that only streams the bytes (each program sums its contiguous
+share as int32 words and stores one word) over several program counts, warps and loads in flight per thread,
+48 launches back to back in a CUDA graph (each reads its own copy, so L2 is cold as in the step), with and
+without programmatic dependent launch, next to the tile-major GLU itself and a device copy of the same bytes.
+If the best stream is near the GLU's time, the GLU is at what one launch of its size can do and only overlap with
+other launches can shorten the step; if far below it, the GLU's own structure is what to change.
+
+    python tools/stream_lab.py --out stream-lab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from strata.kernels import gemv as G  # noqa: E402
+from strata.kernels import pdl  # noqa: E402
+from strata.runtime.bench import copy_bandwidth, git_commit  # noqa: E402
+from tools.gpu_check_gemv import time_graph  # noqa: E402
+
+LAYERS, SLOTS, HIDDEN, INTER = 48, 10, 2560, 640
+GLU_BYTES = 2 * SLOTS * INTER * (HIDDEN // 256 * 144)  # 18,432,000
+DOWN_BYTES = SLOTS * HIDDEN * (INTER // 32 * 24)  # 12,288,000
+SLACK_WORDS = 4096  # past the measured bytes, so that any program count covers them with equal shares
+
+
+@triton.jit
+def _stream_kernel(src_ptr, out_ptr, words_per_program, VEC: tl.constexpr, UNROLL: tl.constexpr,
+                   GDC: tl.constexpr = False):
+    """Sum of one program's contiguous int32 words: every thread loads UNROLL vectors of VEC words per step, all
+    issued before any is used (the loop body's loads are independent)."""
+    pdl.started(GDC)
+    pdl.wait(GDC)
+    pid = tl.program_id(0)
+    base = src_ptr + pid.to(tl.int64) * words_per_program
+    step: tl.constexpr = VEC * UNROLL * 32  # per warp-row; the layout spreads it over the program's threads
+    offs = tl.arange(0, step)
+    acc = tl.zeros([step], tl.int32)
+    for start in range(0, words_per_program, step):
+        acc += tl.load(base + start + offs, mask=start + offs < words_per_program, other=0)
+    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+
+def stream(src: torch.Tensor, out: torch.Tensor, programs: int, warps: int, unroll: int) -> None:
+    words = triton.cdiv(src.numel() - SLACK_WORDS, programs)  # the last program reads a little of the slack
+    _stream_kernel[(programs,)](src, out, words, VEC=4, UNROLL=unroll * warps, num_warps=warps,
+                                **pdl.launch(src.device))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--commit", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bw = copy_bandwidth(dev)
+    rows = []
+
+    def case(what: str, calls: list, nbytes: int, **extra) -> None:
+        s = time_graph(calls)
+        rows.append({"launch": what, "us": s * 1e6, "bytes": nbytes, "fraction_of_copy": nbytes / s / bw, **extra})
+        print(f"{what:<58}{s * 1e6:>9.2f} us{nbytes / s / bw:>8.2f} of copy", flush=True)
+
+    out = torch.empty(8192, dtype=torch.int32, device=dev)
+    for nbytes, name in ((GLU_BYTES, "glu bytes"), (DOWN_BYTES, "down bytes")):
+        bufs = [torch.randint(-2**31, 2**31 - 1, (nbytes // 4 + SLACK_WORDS,), dtype=torch.int32, device=dev,
+                              generator=gen) for _ in range(LAYERS)]
+        for use_pdl in (False, True):
+            pdl.set_enabled(use_pdl)
+            for programs in (132, 264, 528, 800, 1600, 3200):
+                for warps in (2, 4, 8):
+                    for unroll in (1, 2, 4):
+                        if programs * warps > 132 * 64:
+                            continue
+                        case(f"stream {name} p={programs} w={warps} u={unroll} pdl={int(use_pdl)}",
+                             [lambda b=b, p=programs, w=warps, u=unroll: stream(b, out, p, w, u) for b in bufs],
+                             nbytes, programs=programs, warps=warps, unroll=unroll, pdl=use_pdl)
+        dst = torch.empty_like(bufs[0])
+        case(f"torch copy {name} (read + write)", [lambda b=b: dst.copy_(b) for b in bufs], 2 * nbytes)
+        del bufs, dst
+        torch.cuda.empty_cache()
+
+    pdl.set_enabled(True)
+    x = torch.randn(1, HIDDEN, generator=gen, device=dev).to(torch.bfloat16)
+    stacks = [torch.randint(0, 256, (2, SLOTS, INTER, HIDDEN // 256 * 144), dtype=torch.uint8, device=dev,
+                            generator=gen) for _ in range(LAYERS)]
+    ids = torch.arange(SLOTS, dtype=torch.int32, device=dev)
+    case("Q4_K_RT glu 10x640x2560 pdl=1", [lambda s=s: G.gemv_experts_glu(x, s[0], s[1], ids, "Q4_K_RT", HIDDEN,
+                                                                         out_dtype=torch.bfloat16) for s in stacks],
+         GLU_BYTES)
+    pdl.set_enabled(False)
+    case("Q4_K_RT glu 10x640x2560 pdl=0", [lambda s=s: G.gemv_experts_glu(x, s[0], s[1], ids, "Q4_K_RT", HIDDEN,
+                                                                         out_dtype=torch.bfloat16) for s in stacks],
+         GLU_BYTES)
+    report = {"commit": args.commit or git_commit(), "gpu": torch.cuda.get_device_name(dev),
+              "copy_bandwidth_bytes_per_s": bw, "layers": LAYERS, "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
