@@ -69,8 +69,8 @@ def main() -> int:
     bw = copy_bandwidth(dev)
     rows = []
 
-    def case(what: str, calls: list, nbytes: int, **extra) -> None:
-        s = time_graph(calls)
+    def case(what: str, calls: list, nbytes: int, per: int = 1, **extra) -> None:
+        s = time_graph(calls) * per  # seconds per `per` consecutive calls
         rows.append({"launch": what, "us": s * 1e6, "bytes": nbytes, "fraction_of_copy": nbytes / s / bw, **extra})
         print(f"{what:<58}{s * 1e6:>9.2f} us{nbytes / s / bw:>8.2f} of copy", flush=True)
 
@@ -92,6 +92,25 @@ def main() -> int:
         case(f"torch copy {name} (read + write)", [lambda b=b: dst.copy_(b) for b in bufs], 2 * nbytes)
         del bufs, dst
         torch.cuda.empty_cache()
+
+    # the MoE window's bytes (GLU, then down) as two dependent launches against one launch of both
+    both = [torch.randint(-2**31, 2**31 - 1, ((GLU_BYTES + DOWN_BYTES) // 4 + SLACK_WORDS,), dtype=torch.int32,
+                          device=dev, generator=gen) for _ in range(LAYERS // 2)]
+    glu_words, down_words = GLU_BYTES // 4, DOWN_BYTES // 4
+    for use_pdl in (False, True):
+        pdl.set_enabled(use_pdl)
+        for programs, warps in ((800, 4), (1600, 2), (1600, 4)):
+            pairs = []
+            for b in both:
+                pairs.append(lambda b=b, p=programs, w=warps: stream(b[:glu_words + SLACK_WORDS], out, p, w, 2))
+                pairs.append(lambda b=b, p=programs, w=warps: stream(b[glu_words:], out, p, w, 2))
+            case(f"glu then down bytes, 2 launches p={programs} w={warps} pdl={int(use_pdl)} (per pair)",
+                 pairs, GLU_BYTES + DOWN_BYTES, per=2, programs=programs, warps=warps, pdl=use_pdl)
+            case(f"glu and down bytes, 1 launch p={programs} w={warps} pdl={int(use_pdl)}",
+                 [lambda b=b, p=programs, w=warps: stream(b, out, p, w, 2) for b in both],
+                 GLU_BYTES + DOWN_BYTES, programs=programs, warps=warps, pdl=use_pdl)
+    del both
+    torch.cuda.empty_cache()
 
     pdl.set_enabled(True)
     x = torch.randn(1, HIDDEN, generator=gen, device=dev).to(torch.bfloat16)
