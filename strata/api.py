@@ -65,18 +65,21 @@ class LLM:
     `tokenizer.ggml.*` / `tokenizer.chat_template` metadata). tokenizer: a folder with tokenizer.json (and the config
     files naming EOS ids), or a GGUF file, whose tokenizer to use instead of the model's own. chat_template: a
     .jinja file to use instead of the model's own template. progress: show a loading progress bar on stderr.
-    activations: "float" or "q8" (`strata.model.ops.ACTIVATIONS`).
+    activations: "float" or "q8" (`strata.model.ops.ACTIVATIONS`). ple_table: "auto", "resident" or "mapped"
+    (`strata.runtime.host_memory`).
     """
 
     def __init__(self, path: str | Path | None = None, dtype: str = "float32", device: str = "cpu", *,
                  tokenizer: str | Path | None = None, chat_template: str | Path | None = None,
-                 progress: bool = False, context: int | None = None, activations: str = "float"):
+                 progress: bool = False, context: int | None = None, activations: str = "float",
+                 ple_table: str = "auto"):
         from tqdm import tqdm
 
         steps = ["weights", "tokenizer", "chat template"]
         with tqdm(total=len(steps), desc="loading", unit="step", disable=not progress, leave=False) as bar:
             bar.set_postfix_str(steps[0])
-            self.engine = Engine.load(path, dtype, device, context=context, activations=activations)
+            self.engine = Engine.load(path, dtype, device, context=context, activations=activations,
+                                      ple_table=ple_table, progress=progress)
             bar.update()
             bar.set_postfix_str(steps[1])
             self.tokenizer = Tokenizer.from_model(tokenizer if tokenizer is not None else self.engine.path)

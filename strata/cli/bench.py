@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from strata.cli.common import add_ple_table_arg
 from strata.errors import StrataError
 
 
@@ -48,6 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--activations", default="float", choices=["float", "q8"],
                    help="inputs of products with block-quantized weights: float (default) or q8 (rounded to int8 "
                         "runs first: integer dot products; see strata generate --help)")
+    add_ple_table_arg(p)
     p.add_argument("--device", default="cuda", help="CUDA device (default: cuda)")
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.set_defaults(run=run)
@@ -58,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
     from strata.runtime import bench
     from strata.runtime.engine import load_weights
+    from strata.runtime.host_memory import hold_ple_tables
     from strata.runtime.placement import fast_ops, gpu_layout, place
     from strata.runtime.synthetic import TypeMix, real_config, synthetic_weights
 
@@ -83,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         # as GPU placement stores them for a bfloat16 model
         weights = gpu_layout(synthetic_weights(cfg, mix, dev), inplace=True, dtype=torch.bfloat16)
         mix_text = mix.describe()
+    ple_table = hold_ple_tables(weights, args.ple_table, progress=sys.stderr.isatty())
     from strata.model.model import Model
     from strata.model.ops import Ops, with_activations
 
@@ -93,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     model = Model(weights, torch.bfloat16, dev, ops)
     report = {"commit": args.commit or bench.git_commit(), "gpu": torch.cuda.get_device_name(dev),
               "copy_bandwidth_bytes_per_s": bw, "model": args.model or "synthetic (real geometry)",
-              "type_mix": mix_text, "layers": weights.cfg.num_hidden_layers,
+              "type_mix": mix_text, "layers": weights.cfg.num_hidden_layers, "ple_table": ple_table,
               "ops": "reference" if args.reference_ops else "triton", "activations": args.activations,
               "pdl": not args.reference_ops and pdl.active(dev),
               "branch_streams": not args.reference_ops and not args.one_stream, "split_step": not args.no_split,

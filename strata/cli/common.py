@@ -22,6 +22,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="how the inputs of products with block-quantized weights are taken: float (exact products of "
                         "the stored weights; default) or q8 (rounded to int8 in runs of 32 first, as llama.cpp's GPU "
                         "matmuls do: integer dot products, faster decode on a GPU; ~1e-5 in KL on the test models)")
+    add_ple_table_arg(p)
+
+
+def add_ple_table_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ple-table", default="auto", choices=["auto", "resident", "mapped"],
+                   help="the PLE n-gram tables (tens of GB at full size): resident reads every page into memory at "
+                        "load, so no decode token waits on a page fault for its table rows (the table's size in RAM, "
+                        "a full read of it); mapped reads rows from the model file's pages as tokens hash to them; "
+                        "auto (default) is resident where the tables fit in 80%% of the available memory")
 
 
 def parse_ids(text: str) -> list[int]:

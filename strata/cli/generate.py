@@ -109,7 +109,8 @@ def load_llm(args: argparse.Namespace) -> Any:
     from strata.api import LLM
 
     return LLM(args.model, args.dtype, args.device, tokenizer=args.tokenizer, chat_template=args.chat_template,
-               progress=show_progress(args), context=args.context, activations=args.activations)
+               progress=show_progress(args), context=args.context, activations=args.activations,
+               ple_table=args.ple_table)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

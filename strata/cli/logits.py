@@ -29,7 +29,8 @@ def run(args: argparse.Namespace) -> int:
     from strata.runtime.engine import Engine
 
     ids = parse_ids(args.ids) if args.ids is not None else read_ids_file(args.ids_file)
-    engine = Engine.load(args.model, args.dtype, args.device, context=args.context, activations=args.activations)
+    engine = Engine.load(args.model, args.dtype, args.device, context=args.context, activations=args.activations,
+                         ple_table=args.ple_table)
     engine.check_ids(ids)
     state = engine.new_state()
     if args.mode == "prefill":

@@ -64,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     t_tok = time.perf_counter() - t0
     if args.max_tokens is not None:
         ids = ids[:args.max_tokens]
-    engine = Engine.load(args.model, args.dtype, args.device, context=args.context, activations=args.activations)
+    engine = Engine.load(args.model, args.dtype, args.device, context=args.context, activations=args.activations,
+                         ple_table=args.ple_table)
     engine.check_ids(ids)
     if base is not None:
         ev.check_base(base, ids, ctx, engine.cfg.vocab_size)

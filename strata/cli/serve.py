@@ -97,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
     from strata.api import LLM
 
     llm = LLM(args.model, args.dtype, args.device, tokenizer=args.tokenizer, chat_template=args.chat_template,
-              progress=sys.stderr.isatty(), context=args.context, activations=args.activations)
+              progress=sys.stderr.isatty(), context=args.context, activations=args.activations,
+              ple_table=args.ple_table)
     # Bound to loopback without a key, only loopback Host names are answered: a web page elsewhere could
     # otherwise reach the server through DNS rebinding.
     options = ServeOptions(model_name=args.model_name, api_key=api_key, max_concurrency=args.max_concurrency,

@@ -15,6 +15,7 @@ import torch
 from strata.errors import StrataError
 from strata.model.model import Model, SequenceState
 from strata.model.ops import ACTIVATIONS, Ops, with_activations
+from strata.runtime.host_memory import PLE_TABLE_MODES, hold_ple_tables
 from strata.weights.schema import Weights
 
 if TYPE_CHECKING:
@@ -48,11 +49,16 @@ def load_weights(path: str | Path) -> Weights:
 
 class Engine:
     """A model ready to run: `new_state()`, `prefill(ids, state)`, `decode(token, state)`. On a CUDA device the
-    weights are placed there (the PLE table stays on the host) and the Triton kernels are installed."""
+    weights are placed there (the PLE table stays on the host) and the Triton kernels are installed. ple_table:
+    whether the PLE tables' pages are read into memory first (`strata.runtime.host_memory`); progress: a progress
+    bar on stderr while they are."""
 
     def __init__(self, weights: Weights, dtype: str | torch.dtype = "float32", device: str = "cpu",
                  ops: Ops | None = None, path: Path | None = None, graphs: bool | None = None,
-                 context: int | None = None, activations: str = "float"):
+                 context: int | None = None, activations: str = "float", ple_table: str = "auto",
+                 progress: bool = False):
+        if ple_table not in PLE_TABLE_MODES:
+            raise StrataError(f"ple_table must be one of {', '.join(PLE_TABLE_MODES)}, got {ple_table!r}")
         self.device = torch.device(device)
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if context is not None and context < 1:
@@ -71,6 +77,8 @@ class Engine:
         elif ops is None:
             ops = with_activations(Ops(), activations)
         self.weights = weights
+        self.ple_table = hold_ple_tables(weights, ple_table, progress)
+        """What `hold_ple_tables` did with the PLE tables: "resident", "mapped" or "none"."""
         self.cfg = weights.cfg
         self.path = path
         self.model = Model(weights, self.dtype, self.device, ops)
@@ -78,10 +86,10 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu",
              ops: Ops | None = None, graphs: bool | None = None, context: int | None = None,
-             activations: str = "float") -> Engine:
+             activations: str = "float", ple_table: str = "auto", progress: bool = False) -> Engine:
         """Load the model at `path` (the bundled default model when None)."""
         path = Path(path) if path is not None else DEFAULT_MODEL
-        return cls(load_weights(path), dtype, device, ops, path, graphs, context, activations)
+        return cls(load_weights(path), dtype, device, ops, path, graphs, context, activations, ple_table, progress)
 
     @property
     def max_context(self) -> int:

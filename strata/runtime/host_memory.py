@@ -1,0 +1,140 @@
+"""Whether the PLE n-gram tables are held in memory before decode, or read from their mapped pages as tokens
+hash to them.
+
+A decode token gathers 16 rows of each PLE table on the host (`strata.model.ple.ple_rows_into`) while the step's
+first layers run. The tables are tens of GB and live in the model file's memory mapping (or, for the synthetic
+benchmark model, in untouched anonymous pages), so a row on a page no token touched before is a page fault: a few
+microseconds on a bare machine, ~10 on the virtual machines measured (`tools/host_pages_lab.py`), a disk read
+where the file is not in the page cache; with 16 rows a token, mostly on pages not touched before, that is the
+whole of the host's staging time. Holding a table means mapping every one of its pages up front
+(`madvise(MADV_POPULATE_READ)`, Linux 5.14+; else one read per page), which reads the file into the page cache:
+the table's size in RAM, and seconds to minutes at load. For the synthetic model's zero pages it costs no memory.
+
+Modes (`strata generate --ple-table`, `Engine(ple_table=...)`): "resident" holds the tables, "mapped" leaves them
+to the page faults, "auto" (the default) holds them where they fit in the memory the system reports available.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import mmap
+import os
+import sys
+from collections.abc import Iterator
+
+import numpy as np
+
+from strata.errors import StrataError
+from strata.weights.schema import Weights
+from strata.weights.tensor import StoredTensor
+
+PLE_TABLE_MODES = ("auto", "resident", "mapped")
+AUTO_FRACTION = 0.8  # "auto" holds the tables when they take at most this share of the available memory
+CHUNK_BYTES = 256 << 20  # populated per call, so a progress bar moves and a failure names where
+MADV_POPULATE_READ = 22  # <linux/mman.h>; Python's mmap module does not name it before 3.13
+
+
+def host_arrays(t: StoredTensor) -> Iterator[np.ndarray]:
+    """The host byte arrays a stored table's rows are gathered from (`StoredTensor.host_rows`), shard by shard;
+    nothing for a table on a device or in a form that is not gathered from host bytes."""
+    parts = getattr(t, "parts", None)
+    if parts is not None:
+        for p in parts:
+            yield from host_arrays(p)
+        return
+    host = t.host_rows()
+    if host is not None:
+        yield host[0]
+
+
+def ple_tables(w: Weights) -> list[StoredTensor]:
+    return [t for name, t in w.tensors.items() if name.endswith("ple.table")]
+
+
+def available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (the kernel's estimate of what can be used without swapping, page cache
+    included), or None where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _madvise():
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    fn = libc.madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _touch(addr: int, length: int) -> None:
+    """One read per page of [addr, addr + length): maps each page as a read fault would."""
+    page = mmap.PAGESIZE
+    view = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(addr))
+    int(view[::page].sum(dtype=np.uint64))
+
+
+def span(a: np.ndarray) -> tuple[int, int]:
+    """[start, end) of the pages a's bytes lie on (start page-aligned)."""
+    page = mmap.PAGESIZE
+    return a.ctypes.data // page * page, a.ctypes.data + a.nbytes
+
+
+def populate(a: np.ndarray, name: str, progress=None) -> str:  # noqa: ANN001 - progress: (bytes) -> None
+    """Map every page of a's memory (C-contiguous) for reading, CHUNK_BYTES at a time; `progress(n)` is called
+    with the bytes done after each chunk (of `span(a)`). Returns how: "madvise" or "touch" (where the kernel has
+    no MADV_POPULATE_READ). A read error (the file behind the mapping) raises StrataError naming the table."""
+    if not a.flags.c_contiguous:
+        raise StrataError(f"{name}: cannot hold a table whose rows are not one contiguous array in memory")
+    start, end = span(a)
+    madvise = _madvise() if sys.platform.startswith("linux") else None
+    how = "madvise" if madvise is not None else "touch"
+    for lo in range(start, end, CHUNK_BYTES):
+        n = min(CHUNK_BYTES, end - lo)
+        if how == "madvise" and madvise(lo, n, MADV_POPULATE_READ) != 0:
+            err = ctypes.get_errno()
+            if err not in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
+                raise StrataError(f"{name}: cannot read the table's pages into memory at byte {lo - start}: "
+                                  f"{os.strerror(err)}")
+            how = "touch"  # a kernel without MADV_POPULATE_READ (before 5.14)
+        if how == "touch":
+            _touch(lo, n)
+        if progress is not None:
+            progress(n)
+    return how
+
+
+def hold_ple_tables(w: Weights, mode: str = "auto", progress: bool = False) -> str:
+    """Apply a PLE table mode (`PLE_TABLE_MODES`) to w's tables in host memory. Returns what was done: "resident"
+    (every page mapped), "mapped" (left to the page faults) or "none" (no PLE table on the host). "auto" holds them
+    when their bytes are at most AUTO_FRACTION of `available_bytes()` (unknown: held)."""
+    if mode not in PLE_TABLE_MODES:
+        raise StrataError(f"ple_table must be one of {', '.join(PLE_TABLE_MODES)}, got {mode!r}")
+    arrays = [(t.name, a) for t in ple_tables(w) for a in host_arrays(t)]
+    if not arrays:
+        return "none"
+    total = sum(a.nbytes for _, a in arrays)
+    spans = sum(span(a)[1] - span(a)[0] for _, a in arrays)
+    if mode == "mapped":
+        return "mapped"
+    if mode == "auto":
+        avail = available_bytes()
+        if avail is not None and total > AUTO_FRACTION * avail:
+            print(f"strata: the PLE tables ({total / 2**30:.1f} GiB) are not held in memory: "
+                  f"{avail / 2**30:.1f} GiB available; decode tokens will wait on page faults "
+                  "(--ple-table resident holds them anyway)", file=sys.stderr)
+            return "mapped"
+    from tqdm import tqdm
+
+    with tqdm(total=spans, desc="PLE table into memory", unit="B", unit_scale=True, disable=not progress,
+              leave=False) as bar:
+        for name, a in arrays:
+            populate(a, name, bar.update)
+    return "resident"

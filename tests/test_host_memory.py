@@ -1,0 +1,103 @@
+"""PLE tables held in memory (`strata.runtime.host_memory`): pages mapped up front, so a row read is no fault."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import resource
+import sys
+
+import numpy as np
+import pytest
+
+from strata.errors import StrataError
+from strata.runtime import host_memory
+from strata.runtime.engine import Engine, load_weights
+
+PAGES = 256
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="page-fault counts are Linux's")
+
+
+def faults_reading(a: np.ndarray) -> int:
+    """Minor page faults of one read per page of a."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    int(a.reshape(-1)[::mmap.PAGESIZE].sum(dtype=np.uint64))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def fresh_pages() -> tuple[mmap.mmap, np.ndarray]:
+    m = mmap.mmap(-1, PAGES * mmap.PAGESIZE)
+    return m, np.frombuffer(m, dtype=np.uint8).reshape(PAGES, mmap.PAGESIZE)
+
+
+@linux
+def test_untouched_pages_fault_and_populated_ones_do_not():
+    m, a = fresh_pages()
+    assert faults_reading(a) >= PAGES // 2  # the lab's premise: each new page is a fault
+    m2, b = fresh_pages()
+    assert host_memory.populate(b, "t") == "madvise"
+    assert faults_reading(b) < PAGES // 8
+    del a, b
+    m.close()
+    m2.close()
+
+
+@linux
+def test_touch_fallback_where_the_kernel_lacks_the_advice(monkeypatch):
+    def no_populate():
+        def madvise(addr, length, advice):
+            import ctypes
+            ctypes.set_errno(errno.EINVAL)
+            return -1
+        return madvise
+
+    monkeypatch.setattr(host_memory, "_madvise", no_populate)
+    m, a = fresh_pages()
+    assert host_memory.populate(a, "t") == "touch"
+    assert faults_reading(a) < PAGES // 8
+    del a
+    m.close()
+
+
+def test_a_read_error_names_the_table(monkeypatch):
+    def failing():
+        def madvise(addr, length, advice):
+            import ctypes
+            ctypes.set_errno(errno.EIO)
+            return -1
+        return madvise
+
+    monkeypatch.setattr(host_memory, "_madvise", failing)
+    monkeypatch.setattr(host_memory.sys, "platform", "linux")
+    with pytest.raises(StrataError, match="L1.ple.table: cannot read the table's pages"):
+        host_memory.populate(np.zeros(4096, np.uint8), "L1.ple.table")
+
+
+def test_progress_counts_every_byte_of_the_pages():
+    a = np.zeros((3 * host_memory.CHUNK_BYTES // 2) // 4096 * 4096 + 100, np.uint8)
+    done = []
+    host_memory.populate(a, "t", done.append)
+    start, end = host_memory.span(a)
+    assert len(done) == 2 and sum(done) == end - start >= a.nbytes
+
+
+def test_modes_on_the_bundled_model(monkeypatch, capsys):
+    w = load_weights(Engine.load().path)
+    tables = host_memory.ple_tables(w)
+    assert tables and all(list(host_memory.host_arrays(t)) for t in tables)
+    assert host_memory.hold_ple_tables(w, "mapped") == "mapped"
+    assert host_memory.hold_ple_tables(w, "resident") == "resident"
+    assert host_memory.hold_ple_tables(w, "auto") == "resident"
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 1000)
+    assert host_memory.hold_ple_tables(w, "auto") == "mapped"
+    assert "not held in memory" in capsys.readouterr().err
+    assert host_memory.hold_ple_tables(w, "resident") == "resident"  # asked for: held anyway
+    with pytest.raises(StrataError, match="ple_table must be one of"):
+        host_memory.hold_ple_tables(w, "lazy")
+
+
+def test_engine_reports_and_validates_the_mode():
+    assert Engine.load(ple_table="mapped").ple_table == "mapped"
+    assert Engine.load().ple_table == "resident"
+    with pytest.raises(StrataError, match="ple_table must be one of auto, resident, mapped, got 'x'"):
+        Engine.load(ple_table="x")
