@@ -3,10 +3,10 @@ hash to them.
 
 A decode token gathers 16 rows of each PLE table on the host (`strata.model.ple.ple_rows_into`) while the step's
 first layers run. The tables are tens of GB and live in the model file's memory mapping (or, for the synthetic
-benchmark model, in untouched anonymous pages), so a row on a page no token touched before is a page fault: a few
-microseconds on a bare machine, ~10 on the virtual machines measured (`tools/host_pages_lab.py`), a disk read
-where the file is not in the page cache; with 16 rows a token, mostly on pages not touched before, that is the
-whole of the host's staging time. Holding a table means mapping every one of its pages up front
+benchmark model, in untouched anonymous pages), so a row on a page no token touched before is a page fault, and
+a disk read where the file is not in the page cache. 16 such rows took 38 us on the GPU box's host and 62 on the
+development machine, against 2.4-2.6 us with the pages mapped (`tools/host_pages_lab.py`,
+bench/results/2026-12-06-*-host-pages-*.json). Holding a table means mapping every one of its pages up front
 (`madvise(MADV_POPULATE_READ)`, Linux 5.14+; else one read per page), which reads the file into the page cache:
 the table's size in RAM, and seconds to minutes at load. For the synthetic model's zero pages it costs no memory.
 
