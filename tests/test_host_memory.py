@@ -101,3 +101,25 @@ def test_engine_reports_and_validates_the_mode():
     assert Engine.load().ple_table == "resident"
     with pytest.raises(StrataError, match="ple_table must be one of auto, resident, mapped, got 'x'"):
         Engine.load(ple_table="x")
+
+
+def test_plan_decides_without_touching_memory(monkeypatch):
+    w = load_weights(Engine.load().path)
+    total = sum(a.nbytes for t in host_memory.ple_tables(w) for a in host_memory.host_arrays(t))
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: int(total / host_memory.AUTO_FRACTION))
+    assert host_memory.plan(w, "auto") == ("resident", total, int(total / host_memory.AUTO_FRACTION))
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: int(total / host_memory.AUTO_FRACTION) - 2)
+    assert host_memory.plan(w, "auto")[0] == "mapped"
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: None)
+    assert host_memory.plan(w, "auto")[0] == "resident"
+    assert host_memory.plan(w, "mapped")[0] == "mapped"
+    no_ple = type(w)(w.cfg, {n: t for n, t in w.tensors.items() if not n.endswith("ple.table")}, w.gdn_value_order)
+    assert host_memory.plan(no_ple, "resident") == ("none", 0, None)
+    assert host_memory.hold_ple_tables(no_ple, "resident") == "none"
+
+
+def test_inspect_shows_the_plan(capsys):
+    from strata.cli.main import main
+
+    assert main(["inspect", "--ple-table", "mapped"]) == 0
+    assert "--ple-table mapped: mapped" in capsys.readouterr().out

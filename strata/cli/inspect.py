@@ -23,6 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from strata.runtime.engine import DEFAULT_MODEL, load_weights
+    from strata.runtime.host_memory import plan
     from strata.weights.inventory import state_bytes
     from strata.weights.loader import describe
 
@@ -31,6 +32,9 @@ def run(args: argparse.Namespace) -> int:
     context = args.context or 4096  # the state-size estimate's context (--context, else 4096)
     st = state_bytes(w.cfg, context)
     report["state_bytes_at_context"] = {"context": context, "bytes": st}
+    decided, table_bytes, avail = plan(w, args.ple_table)
+    report["ple_table"] = {"mode": args.ple_table, "would_be": decided, "host_bytes": table_bytes,
+                           "available_bytes": avail}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -40,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"parameters {report['params_total']:,} total, {report['params_active_per_token']:,} active per token")
     print(f"memory     weights {_gb(report['bytes_total'])}; one token reads {_gb(report['bytes_per_token'])}; "
           f"state at {context} tokens {_gb(st)}")
+    if decided != "none":
+        have = f"{_gb(avail)} available" if avail is not None else "available memory unknown"
+        print(f"ple table  {_gb(table_bytes)} in host memory; --ple-table {args.ple_table}: {decided} ({have})")
     print(f"\n{'role':<20}{'params':>16}{'bytes':>16}{'bytes/token':>16}  storage types")
     for role, r in report["by_role"].items():
         kinds = ", ".join(sorted(report["storage_types_by_role"].get(role, {})))

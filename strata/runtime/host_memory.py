@@ -111,26 +111,34 @@ def populate(a: np.ndarray, name: str, progress=None) -> str:  # noqa: ANN001 - 
     return how
 
 
-def hold_ple_tables(w: Weights, mode: str = "auto", progress: bool = False) -> str:
-    """Apply a PLE table mode (`PLE_TABLE_MODES`) to w's tables in host memory. Returns what was done: "resident"
-    (every page mapped), "mapped" (left to the page faults) or "none" (no PLE table on the host). "auto" holds them
-    when their bytes are at most AUTO_FRACTION of `available_bytes()` (unknown: held)."""
+def plan(w: Weights, mode: str = "auto") -> tuple[str, int, int | None]:
+    """What `hold_ple_tables(w, mode)` would do, without doing it: ("resident" | "mapped" | "none", the host
+    tables' bytes, `available_bytes()`). "auto" holds them when their bytes are at most AUTO_FRACTION of the
+    available memory (unknown: held)."""
     if mode not in PLE_TABLE_MODES:
         raise StrataError(f"ple_table must be one of {', '.join(PLE_TABLE_MODES)}, got {mode!r}")
-    arrays = [(t.name, a) for t in ple_tables(w) for a in host_arrays(t)]
-    if not arrays:
-        return "none"
-    total = sum(a.nbytes for _, a in arrays)
-    spans = sum(span(a)[1] - span(a)[0] for _, a in arrays)
-    if mode == "mapped":
-        return "mapped"
+    total = sum(a.nbytes for t in ple_tables(w) for a in host_arrays(t))
+    avail = available_bytes()
+    if total == 0:
+        return "none", 0, avail
     if mode == "auto":
-        avail = available_bytes()
-        if avail is not None and total > AUTO_FRACTION * avail:
+        mode = "mapped" if avail is not None and total > AUTO_FRACTION * avail else "resident"
+    return mode, total, avail
+
+
+def hold_ple_tables(w: Weights, mode: str = "auto", progress: bool = False) -> str:
+    """Apply a PLE table mode (`PLE_TABLE_MODES`, decided by `plan`) to w's tables in host memory. Returns what was
+    done: "resident" (every page mapped), "mapped" (left to the page faults) or "none" (no PLE table on the host).
+    """
+    decided, total, avail = plan(w, mode)
+    if decided != "resident":
+        if mode == "auto" and decided == "mapped":
             print(f"strata: the PLE tables ({total / 2**30:.1f} GiB) are not held in memory: "
-                  f"{avail / 2**30:.1f} GiB available; decode tokens will wait on page faults "
+                  f"{(avail or 0) / 2**30:.1f} GiB available; decode tokens will wait on page faults "
                   "(--ple-table resident holds them anyway)", file=sys.stderr)
-            return "mapped"
+        return decided
+    arrays = [(t.name, a) for t in ple_tables(w) for a in host_arrays(t)]
+    spans = sum(span(a)[1] - span(a)[0] for _, a in arrays)
     from tqdm import tqdm
 
     with tqdm(total=spans, desc="PLE table into memory", unit="B", unit_scale=True, disable=not progress,
