@@ -9,6 +9,11 @@ without programmatic dependent launch, next to the tile-major GLU itself and a d
 If the best stream is near the GLU's time, the GLU is at what one launch of its size can do and only overlap with
 other launches can shorten the step; if far below it, the GLU's own structure is what to change.
 
+Then the whole MoE window's bytes (GLU, then down): as two launches without a dependency and as one; and with the
+down depending on the GLU's results, as two launches (the down's programs load their share before their PDL wait,
+as the routed down projections do) against one launch of persistent programs that claim items in order and hand
+over through a counter (`_window_kernel`): what a routed-MoE kernel of one launch could win on the handoff alone.
+
     python tools/stream_lab.py --out stream-lab.json
 """
 
@@ -51,6 +56,81 @@ def _stream_kernel(src_ptr, out_ptr, words_per_program, VEC: tl.constexpr, UNROL
     for start in range(0, words_per_program, step):
         acc += tl.load(base + start + offs, mask=start + offs < words_per_program, other=0)
     tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _nap(c):
+    """A short sleep between polls, so spinning programs leave the SM's issue slots to the producers."""
+    return tl.inline_asm_elementwise("nanosleep.u32 64; mov.b32 $0, $1;", "=r,r", [c], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _preloaded_kernel(src_ptr, dep_ptr, out_ptr, words_per_program, n_dep, BW: tl.constexpr,
+                      GDC: tl.constexpr = False):
+    """The routed down's shape: a program's whole share loaded before its PDL wait, then one value the previous
+    launch wrote (the dependency) added to its sum."""
+    pdl.started(GDC)
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BW)
+    w = tl.load(src_ptr + pid.to(tl.int64) * words_per_program + offs, mask=offs < words_per_program, other=0)
+    pdl.wait(GDC)
+    tl.store(out_ptr + pid, tl.sum(w, axis=0) + tl.load(dep_ptr + pid % n_dep))
+
+
+@triton.jit
+def _window_kernel(src_ptr, out_ptr, cnt_ptr, n_glu, n_items, glu_words, down_words, down_base,
+                   VEC: tl.constexpr, UNROLL: tl.constexpr, BW: tl.constexpr, GDC: tl.constexpr = False):
+    """The MoE window's bytes in one launch of persistent programs: items claimed in order from cnt[0], first
+    n_glu "GLU" items (glu_words streamed, a sum stored, cnt[1] raised), then "down" items (down_words loaded at
+    once, then a wait until cnt[1] == n_glu, then one GLU item's sum added): claimed GLU items are all being
+    worked on by running programs before any down item is claimed, so the waits end. The last program to finish
+    (cnt[2]) puts the counters back to zero for the next launch."""
+    pdl.started(GDC)
+    pdl.wait(GDC)
+    step: tl.constexpr = VEC * UNROLL * 32
+    offs = tl.arange(0, step)
+    doffs = tl.arange(0, BW)
+    item = tl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")
+    while item < n_items:
+        if item < n_glu:
+            base = src_ptr + item.to(tl.int64) * glu_words
+            acc = tl.zeros([step], tl.int32)
+            for start in range(0, glu_words, step):
+                acc += tl.load(base + start + offs, mask=start + offs < glu_words, other=0)
+            tl.store(out_ptr + item, tl.sum(acc, axis=0))
+            tl.debug_barrier()
+            tl.atomic_add(cnt_ptr + 1, 1, sem="release", scope="gpu")
+        else:
+            d = item - n_glu
+            w = tl.load(src_ptr + down_base + d.to(tl.int64) * down_words + doffs, mask=doffs < down_words, other=0)
+            c = tl.atomic_add(cnt_ptr + 1, 0, sem="acquire", scope="gpu")
+            while c < n_glu:
+                c = tl.atomic_add(cnt_ptr + 1, _nap(c) * 0, sem="acquire", scope="gpu")
+            tl.store(out_ptr + item, tl.sum(w, axis=0) + tl.load(out_ptr + d % n_glu))
+        item = tl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")
+    if tl.atomic_add(cnt_ptr + 2, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(cnt_ptr + 1, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(cnt_ptr + 2, 0, sem="relaxed", scope="gpu")
+
+
+def window(src: torch.Tensor, out: torch.Tensor, cnt: torch.Tensor, programs: int, warps: int, n_glu: int,
+           n_down: int) -> None:
+    """One launch of `_window_kernel` over src: GLU_BYTES in n_glu items, then DOWN_BYTES in n_down items."""
+    glu_words, down_words = GLU_BYTES // 4 // n_glu, DOWN_BYTES // 4 // n_down
+    _window_kernel[(programs,)](src, out, cnt, n_glu, n_glu + n_down, glu_words, down_words, GLU_BYTES // 4,
+                                VEC=4, UNROLL=2 * warps, BW=triton.next_power_of_2(down_words), num_warps=warps,
+                                **pdl.launch(src.device))
+
+
+def glu_then_down(src: torch.Tensor, out: torch.Tensor, n_glu: int, n_down: int, warps: int) -> None:
+    """The same bytes as two launches: the GLU's streamed by n_glu programs, the down's by n_down programs that
+    load their share before their PDL wait, as the routed down projections do."""
+    stream(src[:GLU_BYTES // 4 + SLACK_WORDS], out, n_glu, warps, 2)
+    down_words = DOWN_BYTES // 4 // n_down
+    _preloaded_kernel[(n_down,)](src[GLU_BYTES // 4:], out, out[n_glu:], down_words, n_glu,
+                                 BW=triton.next_power_of_2(down_words), num_warps=warps, **pdl.launch(src.device))
 
 
 def stream(src: torch.Tensor, out: torch.Tensor, programs: int, warps: int, unroll: int) -> None:
@@ -109,6 +189,21 @@ def main() -> int:
             case(f"glu and down bytes, 1 launch p={programs} w={warps} pdl={int(use_pdl)}",
                  [lambda b=b, p=programs, w=warps: stream(b, out, p, w, 2) for b in both],
                  GLU_BYTES + DOWN_BYTES, programs=programs, warps=warps, pdl=use_pdl)
+    # the same with the down's dependency on the GLU: two launches (the down's share loaded before its PDL wait)
+    # against one launch of persistent programs handing over through a counter
+    cnt = torch.zeros(3, dtype=torch.int32, device=dev)
+    big_out = torch.empty(16384, dtype=torch.int32, device=dev)
+    pdl.set_enabled(True)
+    for n_glu, n_down, warps in ((1600, 800, 4), (1600, 3200, 1), (800, 800, 4)):
+        case(f"glu then down, dependent, 2 launches {n_glu}+{n_down} w={warps}",
+             [lambda b=b: glu_then_down(b, big_out, n_glu, n_down, warps) for b in both],
+             GLU_BYTES + DOWN_BYTES, n_glu=n_glu, n_down=n_down, warps=warps)
+    for programs, warps in ((528, 4), (1056, 4), (1056, 2), (2112, 2)):
+        for n_glu, n_down in ((1600, 800), (1600, 3200)):
+            case(f"glu then down, dependent, 1 launch p={programs} w={warps} {n_glu}+{n_down}",
+                 [lambda b=b: window(b, big_out, cnt, programs, warps, n_glu, n_down) for b in both],
+                 GLU_BYTES + DOWN_BYTES, programs=programs, warps=warps, n_glu=n_glu, n_down=n_down)
+    assert not cnt.any(), "the window kernel left its counters raised"
     del both
     torch.cuda.empty_cache()
 
