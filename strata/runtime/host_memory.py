@@ -9,6 +9,7 @@ development machine, against 2.4-2.6 us with the pages mapped (`tools/host_pages
 bench/results/2026-12-06-*-host-pages-*.json). Holding a table means mapping every one of its pages up front
 (`madvise(MADV_POPULATE_READ)`, Linux 5.14+; else one read per page), which reads the file into the page cache:
 the table's size in RAM, and seconds to minutes at load. For the synthetic model's zero pages it costs no memory.
+The pages are not locked: under memory pressure the kernel may still drop some, and their rows fault again.
 
 Modes (`strata generate --ple-table`, `Engine(ple_table=...)`): "resident" holds the tables, "mapped" leaves them
 to the page faults, "auto" (the default) holds them where they fit in the memory the system reports available.
