@@ -4,18 +4,15 @@ puts its counters back to zero, so a captured chain replays from the same state.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-_PATH = Path(__file__).resolve().parent.parent / "tools" / "handoff_lab.py"
-_spec = importlib.util.spec_from_file_location("_strata_handoff_lab", _PATH)
-lab = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(lab)
+from tests.tool_module import load_tool  # noqa: E402
+
+lab = load_tool("handoff_lab")
 
 
 def test_wait_and_flag_modes_compute_the_same_chain() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import resource
@@ -42,16 +43,19 @@ def test_untouched_pages_fault_and_populated_ones_do_not():
     m2.close()
 
 
-@linux
-def test_touch_fallback_where_the_kernel_lacks_the_advice(monkeypatch):
-    def no_populate():
+def failing_madvise(err: int):
+    """A stand-in for `host_memory._madvise` whose calls fail with errno err."""
+    def make():
         def madvise(addr, length, advice):
-            import ctypes
-            ctypes.set_errno(errno.EINVAL)
+            ctypes.set_errno(err)
             return -1
         return madvise
+    return make
 
-    monkeypatch.setattr(host_memory, "_madvise", no_populate)
+
+@linux
+def test_touch_fallback_where_the_kernel_lacks_the_advice(monkeypatch):
+    monkeypatch.setattr(host_memory, "_madvise", failing_madvise(errno.EINVAL))
     m, a = fresh_pages()
     assert host_memory.populate(a, "t") == "touch"
     assert faults_reading(a) < PAGES // 8
@@ -60,14 +64,7 @@ def test_touch_fallback_where_the_kernel_lacks_the_advice(monkeypatch):
 
 
 def test_a_read_error_names_the_table(monkeypatch):
-    def failing():
-        def madvise(addr, length, advice):
-            import ctypes
-            ctypes.set_errno(errno.EIO)
-            return -1
-        return madvise
-
-    monkeypatch.setattr(host_memory, "_madvise", failing)
+    monkeypatch.setattr(host_memory, "_madvise", failing_madvise(errno.EIO))
     monkeypatch.setattr(host_memory.sys, "platform", "linux")
     with pytest.raises(StrataError, match="L1.ple.table: cannot read the table's pages"):
         host_memory.populate(np.zeros(4096, np.uint8), "L1.ple.table")

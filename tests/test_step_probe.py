@@ -3,9 +3,7 @@ one launch's program rows (the recording itself runs on the device box)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # as the kernel tests: no kernel runs here, but Triton may be imported first
 
@@ -16,10 +14,9 @@ import torch  # noqa: E402
 from strata.errors import StrataError  # noqa: E402
 from strata.kernels import gemv_rr  # noqa: E402
 
-_PATH = Path(__file__).resolve().parent.parent / "tools" / "step_probe.py"
-_spec = importlib.util.spec_from_file_location("_strata_step_probe", _PATH)
-sp = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sp)
+from tests.tool_module import load_tool  # noqa: E402
+
+sp = load_tool("step_probe")
 
 
 def test_probe_refuses_a_cpu_device() -> None:

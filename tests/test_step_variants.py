@@ -3,9 +3,7 @@ the knob it names, and `apply("base")` puts every knob back, so the rows of one 
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # as the kernel tests: no kernel runs here, but Triton may be imported first
 
@@ -17,10 +15,9 @@ from strata.kernels import gemv as kernel_gemv  # noqa: E402
 from strata.kernels import ops as kernel_ops  # noqa: E402
 from strata.runtime import graph  # noqa: E402
 
-_PATH = Path(__file__).resolve().parent.parent / "tools" / "step_variants.py"
-_spec = importlib.util.spec_from_file_location("_strata_step_variants", _PATH)
-sv = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sv)
+from tests.tool_module import load_tool  # noqa: E402
+
+sv = load_tool("step_variants")
 
 # every form of the module's docstring that needs no CUDA device to parse (hc:I reads the SM count)
 VARIANTS = ["base", "select:removed", "select:radix", "route:removed", "release:after-loop", "gdn:16",

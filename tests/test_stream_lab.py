@@ -4,18 +4,15 @@ hand over through a counter, which it puts back to zero for the next launch."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-_PATH = Path(__file__).resolve().parent.parent / "tools" / "stream_lab.py"
-_spec = importlib.util.spec_from_file_location("_strata_stream_lab", _PATH)
-lab = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(lab)
+from tests.tool_module import load_tool  # noqa: E402
+
+lab = load_tool("stream_lab")
 
 
 def test_stream_sums_each_programs_share() -> None:
