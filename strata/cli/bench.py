@@ -104,8 +104,8 @@ def run(args: argparse.Namespace) -> int:
               "memory_gib": {"model": torch.cuda.memory_allocated(dev) / 2**30,
                              "device": torch.cuda.get_device_properties(dev).total_memory / 2**30},
               "decode": []}
-    print(f"model: {report['memory_gib']['model']:.1f} GiB of the device's {report['memory_gib']['device']:.1f}",
-          file=sys.stderr)
+    print(f"model: {report['memory_gib']['model']:.1f} GiB of the device's {report['memory_gib']['device']:.1f}; "
+          f"PLE table {ple_table}", file=sys.stderr)
     for ctx in contexts:
         torch.cuda.reset_peak_memory_stats(dev)
         r = bench.bench_decode(model, ctx, args.tokens, args.runs, stage_table=not args.no_stages,
