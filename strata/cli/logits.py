@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 import numpy as np
 
@@ -30,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
     ids = parse_ids(args.ids) if args.ids is not None else read_ids_file(args.ids_file)
     engine = Engine.load(args.model, args.dtype, args.device, context=args.context, activations=args.activations,
-                         ple_table=args.ple_table)
+                         ple_table=args.ple_table, progress=sys.stderr.isatty())
     engine.check_ids(ids)
     state = engine.new_state()
     if args.mode == "prefill":

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens is not None:
         ids = ids[:args.max_tokens]
     engine = Engine.load(args.model, args.dtype, args.device, context=args.context, activations=args.activations,
-                         ple_table=args.ple_table)
+                         ple_table=args.ple_table, progress=sys.stderr.isatty())
     engine.check_ids(ids)
     if base is not None:
         ev.check_base(base, ids, ctx, engine.cfg.vocab_size)
