@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# What the sessions of 2026-12-06 measured on H100s only, for an H200 (the target's card), in one run: the decode
-# bench at 4K and 128K (the 128K state does not fit an H100 beside the model), then the routed GLU's stacks and the
-# head as stored (tile-major) against their row-major twins in the 4K step (tools/step_variants.py row-major:T),
-# and the routed-expert launches alone (tools/moe_lab.py). Writes JSON under OUT (default ./device-out), named as
-# bench/results names them. ~5 minutes.
+# What the sessions of 2026-12-06 measured on H100s only, for an H200 (the target's card), in one run and in order
+# of need (what a run cut short wrote still comes back): the decode bench at 4K and 128K (the 128K state does not
+# fit an H100 beside the model; the PLE table held in memory, --ple-table auto), the host's PLE row gather by page
+# mapping (tools/host_pages_lab.py), then the routed GLU's stacks and the head as stored (tile-major) against their
+# row-major twins in the 4K step (tools/step_variants.py row-major:T), and the routed-expert launches alone
+# (tools/moe_lab.py). Writes JSON under OUT (default ./device-out), named as bench/results names them. ~6 minutes.
 #
 #   tools/device_next.sh COMMIT
 set -uo pipefail  # no -e: a failed step is reported and the next one still runs
@@ -17,6 +18,7 @@ echo "== decode bench (synthetic real geometry, 4K and 128K)"
 python -m strata.cli.main bench --contexts 4096,131072 --no-stages --profile --timeline --commit "$commit" \
     --out "$out/synthetic-decode-$commit.json" 2>&1 | quiet | grep -E "ms/token|layer \(|Error"
 echo "(exit ${PIPESTATUS[0]})"
+python tools/host_pages_lab.py --tokens 1000 --out "$out/host-pages-$commit.json" 2>&1 | quiet
 echo "== tile-major against row-major in the 4K step"
 timeout 300 python tools/step_variants.py --commit "$commit" --out "$out/step-variants-tiled-$commit.json" \
     base row-major:glu+row-major:head base row-major:glu+row-major:head 2>&1 | quiet

@@ -37,7 +37,7 @@ MODES = {"pdl": 0, "flag": 1, "plain": 0, "free": 2}
 
 
 @triton.jit
-def _nap(c):
+def nap(c):
     """A short sleep between polls, so spinning programs leave the SM's issue slots to the producers."""
     return tl.inline_asm_elementwise("nanosleep.u32 64; mov.b32 $0, $1;", "=r,r", [c], dtype=tl.int32,
                                      is_pure=False, pack=1)
@@ -57,7 +57,7 @@ def _link_kernel(src_ptr, dst_ptr, w_ptr, cnt_in, cnt_out, ack_in, G_SRC, G,
     elif MODE == 1:
         c = tl.atomic_add(cnt_in, 0, sem="acquire", scope="gpu")
         while c < G_SRC:
-            c = tl.atomic_add(cnt_in, _nap(c) * 0, sem="acquire", scope="gpu")
+            c = tl.atomic_add(cnt_in, nap(c) * 0, sem="acquire", scope="gpu")
         # the last of this launch's programs to get here puts the producer's counter back for the next replay
         if tl.atomic_add(ack_in, 1, sem="relaxed", scope="gpu") == G - 1:
             tl.atomic_xchg(cnt_in, 0, sem="relaxed", scope="gpu")

@@ -34,6 +34,7 @@ from strata.kernels import gemv as G  # noqa: E402
 from strata.kernels import pdl  # noqa: E402
 from strata.runtime.bench import copy_bandwidth, git_commit  # noqa: E402
 from tools.gpu_check_gemv import time_graph  # noqa: E402
+from tools.handoff_lab import nap  # noqa: E402
 
 LAYERS, SLOTS, HIDDEN, INTER = 48, 10, 2560, 640
 GLU_BYTES = 2 * SLOTS * INTER * (HIDDEN // 256 * 144)  # 18,432,000
@@ -56,13 +57,6 @@ def _stream_kernel(src_ptr, out_ptr, words_per_program, VEC: tl.constexpr, UNROL
     for start in range(0, words_per_program, step):
         acc += tl.load(base + start + offs, mask=start + offs < words_per_program, other=0)
     tl.store(out_ptr + pid, tl.sum(acc, axis=0))
-
-
-@triton.jit
-def _nap(c):
-    """A short sleep between polls, so spinning programs leave the SM's issue slots to the producers."""
-    return tl.inline_asm_elementwise("nanosleep.u32 64; mov.b32 $0, $1;", "=r,r", [c], dtype=tl.int32,
-                                     is_pure=False, pack=1)
 
 
 @triton.jit
@@ -106,7 +100,7 @@ def _window_kernel(src_ptr, out_ptr, cnt_ptr, n_glu, n_items, glu_words, down_wo
             w = tl.load(src_ptr + down_base + d.to(tl.int64) * down_words + doffs, mask=doffs < down_words, other=0)
             c = tl.atomic_add(cnt_ptr + 1, 0, sem="acquire", scope="gpu")
             while c < n_glu:
-                c = tl.atomic_add(cnt_ptr + 1, _nap(c) * 0, sem="acquire", scope="gpu")
+                c = tl.atomic_add(cnt_ptr + 1, nap(c) * 0, sem="acquire", scope="gpu")
             tl.store(out_ptr + item, tl.sum(w, axis=0) + tl.load(out_ptr + d % n_glu))
         item = tl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")
     if tl.atomic_add(cnt_ptr + 2, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:

@@ -15,7 +15,8 @@ import torch
 from strata.errors import StrataError
 from strata.model.model import Model, SequenceState
 from strata.model.ops import ACTIVATIONS, Ops, with_activations
-from strata.runtime.host_memory import PLE_TABLE_MODES, hold_ple_tables
+from strata.runtime.host_memory import check_mode as check_ple_table_mode
+from strata.runtime.host_memory import hold_ple_tables
 from strata.weights.schema import Weights
 
 if TYPE_CHECKING:
@@ -57,8 +58,7 @@ class Engine:
                  ops: Ops | None = None, path: Path | None = None, graphs: bool | None = None,
                  context: int | None = None, activations: str = "float", ple_table: str = "auto",
                  progress: bool = False):
-        if ple_table not in PLE_TABLE_MODES:
-            raise StrataError(f"ple_table must be one of {', '.join(PLE_TABLE_MODES)}, got {ple_table!r}")
+        check_ple_table_mode(ple_table)  # before the weights are placed
         self.device = torch.device(device)
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if context is not None and context < 1:

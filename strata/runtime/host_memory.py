@@ -112,12 +112,17 @@ def populate(a: np.ndarray, name: str, progress=None) -> str:  # noqa: ANN001 - 
     return how
 
 
+def check_mode(mode: str) -> None:
+    """Refuse a PLE table mode that is not one of PLE_TABLE_MODES."""
+    if mode not in PLE_TABLE_MODES:
+        raise StrataError(f"ple_table must be one of {', '.join(PLE_TABLE_MODES)}, got {mode!r}")
+
+
 def plan(w: Weights, mode: str = "auto") -> tuple[str, int, int | None]:
     """What `hold_ple_tables(w, mode)` would do, without doing it: ("resident" | "mapped" | "none", the host
     tables' bytes, `available_bytes()`). "auto" holds them when their bytes are at most AUTO_FRACTION of the
     available memory (unknown: held)."""
-    if mode not in PLE_TABLE_MODES:
-        raise StrataError(f"ple_table must be one of {', '.join(PLE_TABLE_MODES)}, got {mode!r}")
+    check_mode(mode)
     total = sum(a.nbytes for t in ple_tables(w) for a in host_arrays(t))
     avail = available_bytes()
     if total == 0:
@@ -139,7 +144,7 @@ def hold_ple_tables(w: Weights, mode: str = "auto", progress: bool = False) -> s
                   "(--ple-table resident holds them anyway)", file=sys.stderr)
         return decided
     arrays = [(t.name, a) for t in ple_tables(w) for a in host_arrays(t)]
-    spans = sum(span(a)[1] - span(a)[0] for _, a in arrays)
+    spans = sum(end - start for start, end in (span(a) for _, a in arrays))
     from tqdm import tqdm
 
     with tqdm(total=spans, desc="PLE table into memory", unit="B", unit_scale=True, disable=not progress,
