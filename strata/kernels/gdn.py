@@ -54,6 +54,11 @@ every program its head's gate inputs right after it (`_gdn_step_kernel`'s EARLY)
 normalises a head finds them in registers after its ticket instead of loading them then. The same values either
 way; False for A/B runs (`tools/step_variants.py gdn-early:0`)."""
 
+TICKETS_TOGETHER = False
+"""Whether a step program draws its key-head ticket (the conv window shift) and its value-head ticket (the gated
+norm) in one two-element atomic, so that both share one fence and one round trip, or one after the other (two
+fences, two round trips). The same values either way; A/B: `tools/step_variants.py gdn-tickets:together`."""
+
 
 @triton.jit
 def _conv_weights(w_ptr, ch, cmask, K: tl.constexpr, KP: tl.constexpr):
@@ -152,7 +157,7 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
                      K: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr,
                      TILED: tl.constexpr, SILU: tl.constexpr, SILU_GATE: tl.constexpr, DT: tl.constexpr,
                      FUSED: tl.constexpr, Q8: tl.constexpr = 0, GDC: tl.constexpr = False,
-                     LATE: tl.constexpr = False, EARLY: tl.constexpr = True):
+                     LATE: tl.constexpr = False, EARLY: tl.constexpr = True, TOGETHER: tl.constexpr = False):
     """The step of one (dk, BV) state slab; with FUSED also the gated norm and the conv window shift (tickets
     in cnt: NV value-head counters, then NK key-head counters), else `_gdn_out_kernel` does those. Q8 (with
     FUSED; a word span of `gemv_q8x.ORDER`, 0: none): the program that normalises a head also stores it as Q8
@@ -218,17 +223,25 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
         tl.debug_barrier()
         _window_store(win_ptr, 2 * KEY_DIM + j * DV + vcol, 2 * KEY_DIM + j * DV + DV, vn, K, KP)
 
+        kcnt = cnt_ptr + NV + kh
+        vcnt = cnt_ptr + j
+        if TOGETHER:  # both tickets in one atomic instruction pair: one fence and one round trip for the two
+            two = tl.arange(0, 2)
+            drawn = tl.atomic_add(cnt_ptr + tl.where(two == 0, NV + kh, j), tl.full([2], 1, tl.int32),
+                                  sem="acq_rel", scope="gpu")
+            klast = tl.where(tl.sum(tl.where(two == 0, drawn, 0), axis=0) == REP * NVB - 1, 1, 0)
+            vlast = tl.where(tl.sum(tl.where(two == 1, drawn, 0), axis=0) == NVB - 1, 1, 0)
+        else:
+            klast = tl.where(tl.atomic_add(kcnt, 1, sem="acq_rel", scope="gpu") == REP * NVB - 1, 1, 0)
         # q / k window of key head kh: shifted by the last of its REP * NVB readers (masks are bounds, not
         # boolean ands: the interpreter rejects the latter)
-        kcnt = cnt_ptr + NV + kh
-        klast = tl.where(tl.atomic_add(kcnt, 1, sem="acq_rel", scope="gpu") == REP * NVB - 1, 1, 0)
         _window_store(win_ptr, kh * DK + i, kh * DK + DK * klast, qn, K, KP)
         _window_store(win_ptr, KEY_DIM + kh * DK + i, KEY_DIM + kh * DK + DK * klast, kn, K, KP)
         tl.atomic_add(kcnt, -REP * NVB * klast, sem="relaxed", scope="gpu")  # back to 0 for the next launch
 
         # gated norm of value head j by the last of its NVB programs
-        vcnt = cnt_ptr + j
-        vlast = tl.where(tl.atomic_add(vcnt, 1, sem="acq_rel", scope="gpu") == NVB - 1, 1, 0)
+        if not TOGETHER:
+            vlast = tl.where(tl.atomic_add(vcnt, 1, sem="acq_rel", scope="gpu") == NVB - 1, 1, 0)
         if not EARLY:  # loaded by the last program only
             nw = _norm_weight(nw_ptr, DV * vlast, DT, BD)
             z = _gate_inputs(z_ptr, j, DV * vlast, DV, BD)
@@ -303,7 +316,8 @@ def gdn_step(x: torch.Tensor, z: torch.Tensor, b: torch.Tensor, alpha: torch.Ten
         xq if emit else o, nk, nv, dk, dv, cfg.gdn_key_dim, nv // nk, nvb, dk ** -0.5, cfg.rms_norm_eps,
         K=K, KP=triton.next_power_of_2(K), BK=triton.next_power_of_2(dk), BV=bv, BD=bd,
         TILED=prm.value_order == "tiled", SILU=cfg.hidden_act == "silu", SILU_GATE=silu_gate, DT=TL_DTYPES[dt],
-        FUSED=cnt is not None, Q8=q8_span if emit else 0, EARLY=EARLY_LOADS, **pdl.launch(x.device, "gdn_step"))
+        FUSED=cnt is not None, Q8=q8_span if emit else 0, EARLY=EARLY_LOADS, TOGETHER=TICKETS_TOGETHER,
+        **pdl.launch(x.device, "gdn_step"))
     if emit:
         gemv_rr.record_q8x(out, xq, q8_span)
     if cnt is None:  # no ticket counters on this stream: the norm and shift in a second launch
