@@ -19,7 +19,8 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   route:removed              the MoE routing's launch left out of the graph (ids and weights from the warm-up)
   release:after-loop         launches by expert ids let the next kernel in only after their K loop
                              (`gemv_rr.RELEASE["ids"]`)
-  gdn:BV                     the GDN step with BV value columns per program (`gdn.gdn_step`'s block_v)
+  gdn:BV[:W]                 the GDN step with BV value columns per program and W warps (default 4) (`gdn.gdn_step`'s
+                             block_v, num_warps)
   gdn-early:0|1              the GDN step loads its stored weights before its PDL wait and the gate inputs of
                              its head right after it (1), or as the norm needs them (0) (`gdn.EARLY_LOADS`)
   gdn-tickets:together|apart the GDN step's two tickets (window shift, gated norm) drawn in one atomic or one after
@@ -255,8 +256,9 @@ def _apply_one(variant: str) -> dict:
         gdn.EARLY_LOADS = args[0] == "1"
     elif name == "gdn-tickets" and args in (["together"], ["apart"]):
         gdn.TICKETS_TOGETHER = args[0] == "together"
-    elif name == "gdn" and len(args) == 1:
-        gdn.gdn_step = functools.partial(BASE["gdn_step"], block_v=int(args[0]))
+    elif name == "gdn" and len(args) in (1, 2):
+        gdn.gdn_step = functools.partial(BASE["gdn_step"], block_v=int(args[0]),
+                                         num_warps=int(args[1]) if len(args) == 2 else 4)
     elif name == "release" and args == ["after-loop"]:
         gemv_rr.RELEASE["ids"] = gemv_rr.AFTER_LOOP
     elif name == "release-plain" and len(args) == 1:

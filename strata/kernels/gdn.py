@@ -282,12 +282,14 @@ def supported(x: torch.Tensor, state: GDNState, cfg: ModelConfig) -> bool:
 
 
 def gdn_step(x: torch.Tensor, z: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, prm: GDNParams,
-             state: GDNState, cfg: ModelConfig, block_v: int = 32, q8_span: int | None = None) -> torch.Tensor:
+             state: GDNState, cfg: ModelConfig, block_v: int = 32, q8_span: int | None = None,
+             num_warps: int = 4) -> torch.Tensor:
     """One-token GDN core: x (1, C), z (1, nv*dv), b / alpha (1, nv) -> (1, nv*dv) in x's dtype; updates
     `state.conv` and `state.recurrent` in place. `block_v` is the dv slab per program (a tuning knob).
     q8_span (a word span of `gemv_q8x.ORDER`): the output is also written as Q8 activations for words of that
     span and recorded (`gemv_rr.record_q8x`) for the out projection's Q8 GEMV (`--activations q8`), where the
-    one-launch path runs and dv is a multiple of 32."""
+    one-launch path runs and dv is a multiple of 32. `num_warps`: warps per program (a tuning knob; with one,
+    the reductions over dk stay within a warp)."""
     dt = x.dtype
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -317,7 +319,7 @@ def gdn_step(x: torch.Tensor, z: torch.Tensor, b: torch.Tensor, alpha: torch.Ten
         K=K, KP=triton.next_power_of_2(K), BK=triton.next_power_of_2(dk), BV=bv, BD=bd,
         TILED=prm.value_order == "tiled", SILU=cfg.hidden_act == "silu", SILU_GATE=silu_gate, DT=TL_DTYPES[dt],
         FUSED=cnt is not None, Q8=q8_span if emit else 0, EARLY=EARLY_LOADS, TOGETHER=TICKETS_TOGETHER,
-        **pdl.launch(x.device, "gdn_step"))
+        num_warps=num_warps, **pdl.launch(x.device, "gdn_step"))
     if emit:
         gemv_rr.record_q8x(out, xq, q8_span)
     if cnt is None:  # no ticket counters on this stream: the norm and shift in a second launch
