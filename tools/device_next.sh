@@ -9,6 +9,8 @@
 #   tools/device_next.sh COMMIT
 set -uo pipefail  # no -e: a failed step is reported and the next one still runs
 commit=${1:?usage: tools/device_next.sh COMMIT}
+# the device box's copy has no .git: the reports name the commit given here, so it must be a full hash
+[[ $commit =~ ^[0-9a-f]{40}$ ]] || { echo "COMMIT must be a full 40-digit commit hash, not '$commit'" >&2; exit 2; }
 out=$(realpath -m "${OUT:-device-out}")
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
