@@ -23,7 +23,9 @@ hand each to the last program to get there instead of to a second launch (~3.5 u
   last shifts them (from values every program loaded before its ticket, so no load follows the ticket).
 
 Tickets are drawn after a barrier with acq_rel: everything a program read or wrote before is ordered before what
-the last one does after its ticket. The last one puts each counter back to 0, so a graph replay finds zeros.
+the last one does after its ticket. A program draws its two tickets in one two-element atomic (`TICKETS_TOGETHER`):
+each acq_rel atomic is a fence and a round trip to L2, and both sit on the layer's critical path. The last one
+puts each counter back to 0, so a graph replay finds zeros.
 Norm and shift are the same ops as the two-launch path (`_gdn_out_kernel`, kept for a stream without a ticket
 region), so the two give the same bits.
 
@@ -54,10 +56,12 @@ every program its head's gate inputs right after it (`_gdn_step_kernel`'s EARLY)
 normalises a head finds them in registers after its ticket instead of loading them then. The same values either
 way; False for A/B runs (`tools/step_variants.py gdn-early:0`)."""
 
-TICKETS_TOGETHER = False
+TICKETS_TOGETHER = True
 """Whether a step program draws its key-head ticket (the conv window shift) and its value-head ticket (the gated
 norm) in one two-element atomic, so that both share one fence and one round trip, or one after the other (two
-fences, two round trips). The same values either way; A/B: `tools/step_variants.py gdn-tickets:together`."""
+fences, two round trips). The same values either way. Together, the step's share of a GDN layer's path is ~0.85 us
+shorter and a replay 0.6-0.7% (H100: 4.523-4.524 against 4.552-4.556 ms,
+bench/results/2026-12-06-h100-step-variants-gdn-tickets-a42b503.json); `tools/step_variants.py gdn-tickets:apart`."""
 
 
 @triton.jit
@@ -157,7 +161,7 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
                      K: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr,
                      TILED: tl.constexpr, SILU: tl.constexpr, SILU_GATE: tl.constexpr, DT: tl.constexpr,
                      FUSED: tl.constexpr, Q8: tl.constexpr = 0, GDC: tl.constexpr = False,
-                     LATE: tl.constexpr = False, EARLY: tl.constexpr = True, TOGETHER: tl.constexpr = False):
+                     LATE: tl.constexpr = False, EARLY: tl.constexpr = True, TOGETHER: tl.constexpr = True):
     """The step of one (dk, BV) state slab; with FUSED also the gated norm and the conv window shift (tickets
     in cnt: NV value-head counters, then NK key-head counters), else `_gdn_out_kernel` does those. Q8 (with
     FUSED; a word span of `gemv_q8x.ORDER`, 0: none): the program that normalises a head also stores it as Q8
