@@ -18,7 +18,6 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: run the kerne
 import pytest
 import torch
 import triton  # noqa: F401  (fails the module when Triton is missing)
-import triton.language as tl
 
 from strata.kernels import moe
 from strata.kernels.fused import fused_ops
@@ -30,35 +29,9 @@ from tests import reference
 
 
 # ------------------------------------------------------------------------------------------------ routing
-TOPK_MODES = [(False, 1), (True, 1), (True, 4)]  # `moe.ROUTE_TOPK`: argmax rounds; the bitonic network
-
-
-@pytest.fixture(params=TOPK_MODES, ids=lambda m: "bitonic" if m[0] else "rounds")
-def topk_mode(request, monkeypatch):
-    monkeypatch.setattr(moe, "ROUTE_TOPK", request.param)
-    return request.param
-
-
-@triton.jit
-def _topk_keys_kernel(x_ptr, o_ptr, LOGN: tl.constexpr, LOGK: tl.constexpr):
-    tl.store(o_ptr + tl.arange(0, 2 ** LOGK), moe.topk_keys(tl.load(x_ptr + tl.arange(0, 2 ** LOGN)), LOGN, LOGK))
-
-
-@pytest.mark.parametrize("logn,logk", [(9, 4), (10, 4), (3, 1), (4, 4), (5, 0), (6, 3), (1, 1)])
-def test_topk_keys_is_the_sorted_top(logn, logk):
-    """The bitonic network returns the 2**logk largest of 2**logn distinct int64 keys, largest first."""
-    g = torch.Generator().manual_seed(logn * 16 + logk)
-    for _ in range(3):
-        x = torch.randint(-(1 << 40), 1 << 40, (1 << logn,), generator=g)  # negative keys too
-        assert x.unique().numel() == x.numel()
-        out = torch.empty(1 << logk, dtype=torch.int64)
-        _topk_keys_kernel[(1,)](x, out, LOGN=logn, LOGK=logk)
-        assert torch.equal(out, torch.sort(x, descending=True).values[: 1 << logk])
-
-
 @pytest.mark.parametrize("L,E,k", [(1, 512, 10), (3, 100, 7), (8, 1024, 16), (2, 4, 2), (1, 5, 1), (1, 6, 6)])
 @pytest.mark.parametrize("norm", [True, False])
-def test_route_matches_reference(L, E, k, norm, topk_mode):
+def test_route_matches_reference(L, E, k, norm):
     g = torch.Generator().manual_seed(E * 31 + k)
     logits = torch.randn(L, E, generator=g) * 3
     want_i, want_w = route_ref(logits, k, norm)
@@ -70,7 +43,7 @@ def test_route_matches_reference(L, E, k, norm, topk_mode):
 
 
 @pytest.mark.parametrize("norm", [True, False])
-def test_route_bf16_and_strided_rows(norm, topk_mode):
+def test_route_bf16_and_strided_rows(norm):
     g = torch.Generator().manual_seed(7)
     wide = (torch.randn(4, 700, generator=g) * 2).to(torch.bfloat16)
     logits = wide[:, :512]  # row stride 700
@@ -84,7 +57,7 @@ def test_route_bf16_and_strided_rows(norm, topk_mode):
     assert torch.allclose(got_w.float(), want_w.float(), atol=0, rtol=2 ** -7)
 
 
-def test_route_ties_take_the_lowest_index(topk_mode):
+def test_route_ties_take_the_lowest_index():
     logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, -1.0, 1.0, 2.0],
                            [1.0] * 8,
                            [-50.0, 0.0, -60.0, -200.0, -150.0, -65.0, -300.0, -90.0]])  # three underflow to 0

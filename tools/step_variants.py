@@ -17,8 +17,6 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   select:removed             the QSA selection's launch left out of the graph (outputs from the warm-up)
   select:radix               the one-program radix select instead of the ranked one
   route:removed              the MoE routing's launch left out of the graph (ids and weights from the warm-up)
-  route:rounds|bitonic:W     the routing's top-k by k rounds of argmax in one warp, or by the bitonic network in W
-                             warps (`moe.ROUTE_TOPK`)
   release:after-loop         launches by expert ids let the next kernel in only after their K loop
                              (`gemv_rr.RELEASE["ids"]`)
   gdn:BV[:W]                 the GDN step with BV value columns per program and W warps (default 4) (`gdn.gdn_step`'s
@@ -109,7 +107,7 @@ BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attent
         "SETTLED_IDS": kernel_ops.SETTLED_IDS, "RELEASE": dict(gemv_rr.RELEASE), "rr_launch": gemv_rr.launch,
         "LATE_RELEASE": dict(pdl.LATE_RELEASE), "WIDEN_X_ASM": gemv_rr.WIDEN_X_ASM,
         "gdn_step": gdn.gdn_step, "GDN_EARLY_LOADS": gdn.EARLY_LOADS,
-        "GDN_TICKETS_TOGETHER": gdn.TICKETS_TOGETHER, "ROUTE_TOPK": moe.ROUTE_TOPK, "PRELOAD": dict(gemv_rr.PRELOAD),
+        "GDN_TICKETS_TOGETHER": gdn.TICKETS_TOGETHER, "PRELOAD": dict(gemv_rr.PRELOAD),
         "GEMV_TYPE_NAMES": dict(kernel_gemv.GEMV_TYPE_NAMES), "greedy_token": graph.greedy_token,
         "GEMM_MIN_TOKENS": kernel_ops.GEMM_MIN_TOKENS,
         "GEMM_SHAPE": (experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS), "quantize": gemv_q8x.quantize}
@@ -223,7 +221,6 @@ def apply(variant: str) -> dict:
     gdn.gdn_step = BASE["gdn_step"]
     gdn.EARLY_LOADS = BASE["GDN_EARLY_LOADS"]
     gdn.TICKETS_TOGETHER = BASE["GDN_TICKETS_TOGETHER"]
-    moe.ROUTE_TOPK = BASE["ROUTE_TOPK"]
     gemv_q8x.quantize = BASE["quantize"]
     gemv_rr.WIDEN_X_ASM = BASE["WIDEN_X_ASM"]
     graph.greedy_token = BASE["greedy_token"]
@@ -248,12 +245,6 @@ def _apply_one(variant: str) -> dict:
         return {}
     if name == "route" and args == ["removed"]:
         return {"route": _frozen(moe.route, 3)}
-    if name == "route" and args == ["rounds"]:
-        moe.ROUTE_TOPK = (False, 1)
-        return {}
-    if name == "route" and len(args) == 2 and args[0] == "bitonic":
-        moe.ROUTE_TOPK = (True, int(args[1]))
-        return {}
     if name == "gemv-type" and len(args) == 2:
         rows, warps, split = (int(v) for v in args[1].split(","))
         t = dataclasses.replace(kernel_gemv.GEMV_TYPE_NAMES[args[0]], small=(rows, warps) if rows else None,

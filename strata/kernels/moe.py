@@ -25,60 +25,11 @@ MAX_L = 8  # tokens per call: decode and short verify batches
 MAX_E = 1024
 MAX_K = 16
 
-ROUTE_TOPK = (False, 1)
-"""How `route` picks the k largest probabilities: (bitonic, warps). (False, 1): k rounds of argmax in one warp,
-the dependent max-reductions in warp shuffles; (True, W): a bitonic top-k network (`topk_keys`) in W warps."""
-
-
-@triton.jit
-def _bit(NDIM: tl.constexpr, b: tl.constexpr):
-    """0/1 by bit b of the flat index, shaped to broadcast over a hypercube of NDIM axes (bit b = axis NDIM-1-b)."""
-    return tl.reshape(tl.arange(0, 2), [1] * (NDIM - 1 - b) + [2] + [1] * b)
-
-
-@triton.jit
-def _cas(h, NDIM: tl.constexpr, b: tl.constexpr, want_max):
-    """Compare-exchange of every element with its partner across bit b: the larger where want_max, else the
-    smaller (want_max broadcasts over h)."""
-    other = h ^ tl.xor_sum(h, axis=NDIM - 1 - b, keep_dims=True)
-    return tl.where(want_max, tl.maximum(h, other), tl.minimum(h, other))
-
-
-@triton.jit
-def _merge(h, NDIM: tl.constexpr, LOGR: tl.constexpr, desc):
-    """Bitonic runs of 2**LOGR (the innermost bits) into sorted runs: descending where desc, else ascending."""
-    for i in tl.static_range(LOGR):  # bits LOGR - 1 .. 0
-        h = _cas(h, NDIM, LOGR - 1 - i, desc ^ (_bit(NDIM, LOGR - 1 - i) == 1))
-    return h
-
-
-@triton.jit
-def topk_keys(keys, LOGN: tl.constexpr, LOGK: tl.constexpr):
-    """The 2**LOGK largest of 2**LOGN int64 keys, descending ([2**LOGK]). Runs of 2**LOGK are sorted with
-    alternating directions; then, level by level, each pair of neighbouring runs (one descending, one ascending)
-    is folded by an elementwise max into one bitonic run that holds the pair's 2**LOGK largest, and merged."""
-    if LOGK == 0:
-        return tl.max(keys, axis=0, keep_dims=True)
-    h = tl.reshape(keys, [2] * LOGN)
-    for s in tl.static_range(1, LOGK + 1):  # sorted runs of 2**s, descending where bit s is 0
-        if s < LOGN:
-            h = _merge(h, LOGN, s, _bit(LOGN, s) == 0)
-        else:  # one run: the result
-            h = _merge(h, LOGN, s, True)
-    for f in tl.static_range(LOGN - LOGK):  # fold f: the hypercube has LOGN - f axes, then one fewer
-        h = tl.max(h, axis=LOGN - f - 1 - LOGK)  # bit LOGK: runs 2m (descending) and 2m+1 (ascending)
-        if f + 1 < LOGN - LOGK:
-            h = _merge(h, LOGN - f - 1, LOGK, _bit(LOGN - f - 1, LOGK) == 0)
-        else:
-            h = _merge(h, LOGN - f - 1, LOGK, True)
-    return tl.reshape(h, [2 ** LOGK])
-
 
 @triton.jit
 def _route_kernel(logits_ptr, idx_ptr, w_ptr, E, K, stride_l,
-                  NORM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
-                  BITONIC: tl.constexpr = False, LOGBE: tl.constexpr = 0, LOGBK: tl.constexpr = 0,
-                  GDC: tl.constexpr = False, LATE: tl.constexpr = False):
+                  NORM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False,
+                  LATE: tl.constexpr = False):
     pdl.enter(GDC, LATE)
     row = tl.program_id(0)
     e = tl.arange(0, BE)
@@ -87,26 +38,18 @@ def _route_kernel(logits_ptr, idx_ptr, w_ptr, E, K, stride_l,
     m = tl.max(x, axis=0)
     ex = tl.where(em, tl.exp(x - m), 0.0)
     p = ex / tl.sum(ex, axis=0)
+    p = tl.where(em, p, -1.0)  # padding lanes are never chosen (probabilities are >= 0)
     slots = tl.arange(0, BK)
-    sm = slots < K
-    if BITONIC:
-        # one int64 key per expert, larger for a larger probability and, among equal ones, a lower index (the
-        # probability's bits order as the probability, since it is >= 0); padding -1, below every key
-        key = tl.where(em, (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BE - 1 - e).to(tl.int64), -1)
-        top = topk_keys(key, LOGBE, LOGBK)
-        top_i = (BE - 1) - (top & 0xFFFFFFFF)
-        top_w = tl.where(sm, (top >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
-    else:  # k rounds of argmax
-        p = tl.where(em, p, -1.0)  # padding lanes are never chosen (probabilities are >= 0)
-        top_w = tl.zeros([BK], tl.float32)
-        top_i = tl.zeros([BK], tl.int64)
-        for j in range(K):
-            v, i = tl.max(p, axis=0, return_indices=True, return_indices_tie_break_left=True)  # lowest index on ties
-            top_w = tl.where(slots == j, v, top_w)
-            top_i = tl.where(slots == j, i.to(tl.int64), top_i)
-            p = tl.where(e == i, -2.0, p)
+    top_w = tl.zeros([BK], tl.float32)
+    top_i = tl.zeros([BK], tl.int64)
+    for j in range(K):
+        v, i = tl.max(p, axis=0, return_indices=True, return_indices_tie_break_left=True)  # lowest index on ties
+        top_w = tl.where(slots == j, v, top_w)
+        top_i = tl.where(slots == j, i.to(tl.int64), top_i)
+        p = tl.where(e == i, -2.0, p)
     if NORM:
         top_w = top_w / tl.sum(top_w, axis=0)  # unused slots hold 0
+    sm = slots < K
     tl.store(idx_ptr + row * K + slots, top_i, mask=sm)
     tl.store(w_ptr + row * K + slots, top_w.to(DT), mask=sm)
 
@@ -121,11 +64,10 @@ def route(logits: torch.Tensor, k: int, norm_topk_prob: bool) -> tuple[torch.Ten
     L, E = logits.shape
     top_i = torch.empty(L, k, dtype=torch.int64, device=logits.device)
     top_w = torch.empty(L, k, dtype=logits.dtype, device=logits.device)
-    be, bk = triton.next_power_of_2(E), triton.next_power_of_2(k)
-    bitonic, warps = ROUTE_TOPK
-    _route_kernel[(L,)](logits, top_i, top_w, E, k, logits.stride(0), NORM=bool(norm_topk_prob), BE=be, BK=bk,
-                        DT=TL_DTYPES[logits.dtype], BITONIC=bitonic, LOGBE=be.bit_length() - 1,
-                        LOGBK=bk.bit_length() - 1, num_warps=warps, **pdl.launch(logits.device, "route"))
+    # one warp: the k dependent max-reductions stay in warp shuffles, with no barrier between warps
+    _route_kernel[(L,)](logits, top_i, top_w, E, k, logits.stride(0), NORM=bool(norm_topk_prob),
+                        BE=triton.next_power_of_2(E), BK=triton.next_power_of_2(k), DT=TL_DTYPES[logits.dtype],
+                        num_warps=1, **pdl.launch(logits.device, "route"))
     return top_i, top_w
 
 
