@@ -229,7 +229,7 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
 
         kcnt = cnt_ptr + NV + kh
         vcnt = cnt_ptr + j
-        if TOGETHER:  # both tickets in one atomic instruction pair: one fence and one round trip for the two
+        if TOGETHER:  # both counters in one atomic instruction: one fence and one round trip for the two tickets
             two = tl.arange(0, 2)
             drawn = tl.atomic_add(cnt_ptr + tl.where(two == 0, NV + kh, j), tl.full([2], 1, tl.int32),
                                   sem="acq_rel", scope="gpu")
