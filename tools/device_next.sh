@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # What the sessions of 2026-12-06 measured on H100s only, for an H200 (the target's card), in one run and in order
-# of need (what a run cut short wrote still comes back): the decode bench at 4K and 128K (the 128K state does not
+# of need (what a run cut short wrote still comes back): the GPU checks of the kernels changed since the last H200
+# run (the bit-for-bit PDL check; with FIXTURES, a copy of ../shared/fixtures/qwen4exp-tiny carried into the tree,
+# the model check against the CPU reference), the decode bench at 4K and 128K (the 128K state does not
 # fit an H100 beside the model; the PLE table held in memory, --ple-table auto), the host's PLE row gather by page
 # mapping (tools/host_pages_lab.py), then the routed GLU's stacks and the head as stored (tile-major) against their
 # row-major twins in the 4K step (tools/step_variants.py row-major:T), and the routed-expert launches alone
-# (tools/moe_lab.py). Writes JSON under OUT (default ./device-out), named as bench/results names them. ~6 minutes.
+# (tools/moe_lab.py). Writes JSON under OUT (default ./device-out), named as bench/results names them. ~8 minutes.
 #
-#   tools/device_next.sh COMMIT
+#   tools/device_next.sh COMMIT [FIXTURES]
 set -uo pipefail  # no -e: a failed step is reported and the next one still runs
-commit=${1:?usage: tools/device_next.sh COMMIT}
+commit=${1:?usage: tools/device_next.sh COMMIT [FIXTURES]}
+fixtures=${2:+$(realpath -m "$2")}
 # the device box's copy has no .git: the reports name the commit given here, so it must be a full hash
 [[ $commit =~ ^[0-9a-f]{40}$ ]] || { echo "COMMIT must be a full 40-digit commit hash, not '$commit'" >&2; exit 2; }
 out=$(realpath -m "${OUT:-device-out}")
@@ -16,13 +19,19 @@ cd "$(dirname "$0")/.."
 mkdir -p "$out"
 quiet() { grep -v -e Warning -e warn_once || true; }
 
+echo "== PDL and graph equality (captured split, one graph, eager)"
+python tools/gpu_check_pdl.py --out "$out/gpu-check-pdl-$commit.json" 2>&1 | quiet | tail -4
+if [ -n "$fixtures" ]; then
+    echo "== model check (GPU against the CPU reference)"
+    python tools/gpu_check_model.py --fixtures "$fixtures" --out "$out/model-check-$commit.json" 2>&1 | quiet | tail -12
+fi
 echo "== decode bench (synthetic real geometry, 4K and 128K)"
 python -m strata.cli.main bench --contexts 4096,131072 --no-stages --profile --timeline --commit "$commit" \
     --out "$out/synthetic-decode-$commit.json" 2>&1 | quiet | grep -E "ms/token|layer \(|Error"
 echo "(exit ${PIPESTATUS[0]})"
 python tools/host_pages_lab.py --tokens 1000 --out "$out/host-pages-$commit.json" 2>&1 | quiet
 echo "== tile-major against row-major in the 4K step"
-timeout 300 python tools/step_variants.py --commit "$commit" --out "$out/step-variants-tiled-$commit.json" \
+timeout 200 python tools/step_variants.py --commit "$commit" --out "$out/step-variants-tiled-$commit.json" \
     base row-major:glu+row-major:head base row-major:glu+row-major:head 2>&1 | quiet
 echo "(exit ${PIPESTATUS[0]})"
 echo "== routed-expert and row-register launches alone (48 layers' worth, captured)"
