@@ -21,7 +21,7 @@ sv = load_tool("step_variants")
 
 # every form of the module's docstring that needs no CUDA device to parse (hc:I reads the SM count)
 VARIANTS = ["base", "select:removed", "select:radix", "route:removed", "release:after-loop", "gdn:16",
-            "gdn:16:1", "gdn-tickets:together", "gdn-tickets:apart",
+            "gdn:16:1",
             "preload:Q4_K_R:3", "preload:Q8_0_R/6:2", "preload:q8:Q8_0_R/6:3", "preload:q8:Q4_K_R:5",
             "gemv-type:Q8_0:4,2,1", "ids-early:off", "select:ranked:8:1024", "attend:64:32", "hc-up:8",
             "row-major:glu", "row-major:glu+row-major:head",
@@ -36,7 +36,7 @@ def _knobs() -> tuple:
             gemv_rr.launch_shape, gemv_rr.launch, hyper.hc_read_defaults, dict(sv.PREFILL), gdn.gdn_step,
             attention.select_blocks_ranked, attention.RANK_SELECT_MAX_BLOCKS, attention.attend, gemv_q8x.quantize,
             kernel_ops.SETTLED_IDS, kernel_ops.GEMM_MIN_TOKENS, kernel_ops.Q8_UNITS_FROM_GLU, graph.greedy_token,
-            gdn.TICKETS_TOGETHER, (experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS), kernel_gemv._launch_rr)
+            (experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS), kernel_gemv._launch_rr)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

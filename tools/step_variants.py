@@ -23,8 +23,6 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
                              block_v, num_warps)
   gdn-early:0|1              the GDN step loads its stored weights before its PDL wait and the gate inputs of
                              its head right after it (1), or as the norm needs them (0) (`gdn.EARLY_LOADS`)
-  gdn-tickets:together|apart the GDN step's two tickets (window shift, gated norm) drawn in one atomic or one after
-                             the other (`gdn.TICKETS_TOGETHER`)
   preload:KIND:N             row-register launches of KIND load N K-loop steps before their PDL wait
                              (`gemv_rr.PRELOAD`; the routed GLU, by unsettled ids, loads them right after it);
                              KIND/S for the launches of S loop steps only (Q8_0_R/6: the out projections);
@@ -106,8 +104,7 @@ BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attent
         "hc_read_defaults": hyper.hc_read_defaults, "launch_shape": gemv_rr.launch_shape,
         "SETTLED_IDS": kernel_ops.SETTLED_IDS, "RELEASE": dict(gemv_rr.RELEASE), "rr_launch": gemv_rr.launch,
         "LATE_RELEASE": dict(pdl.LATE_RELEASE), "WIDEN_X_ASM": gemv_rr.WIDEN_X_ASM,
-        "gdn_step": gdn.gdn_step, "GDN_EARLY_LOADS": gdn.EARLY_LOADS,
-        "GDN_TICKETS_TOGETHER": gdn.TICKETS_TOGETHER, "PRELOAD": dict(gemv_rr.PRELOAD),
+        "gdn_step": gdn.gdn_step, "GDN_EARLY_LOADS": gdn.EARLY_LOADS, "PRELOAD": dict(gemv_rr.PRELOAD),
         "GEMV_TYPE_NAMES": dict(kernel_gemv.GEMV_TYPE_NAMES), "greedy_token": graph.greedy_token,
         "GEMM_MIN_TOKENS": kernel_ops.GEMM_MIN_TOKENS,
         "GEMM_SHAPE": (experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS), "quantize": gemv_q8x.quantize}
@@ -220,7 +217,6 @@ def apply(variant: str) -> dict:
     pdl.LATE_RELEASE.update(BASE["LATE_RELEASE"])
     gdn.gdn_step = BASE["gdn_step"]
     gdn.EARLY_LOADS = BASE["GDN_EARLY_LOADS"]
-    gdn.TICKETS_TOGETHER = BASE["GDN_TICKETS_TOGETHER"]
     gemv_q8x.quantize = BASE["quantize"]
     gemv_rr.WIDEN_X_ASM = BASE["WIDEN_X_ASM"]
     graph.greedy_token = BASE["greedy_token"]
@@ -254,8 +250,6 @@ def _apply_one(variant: str) -> dict:
         gemv_rr.PRELOAD[":".join(args[:-1])] = int(args[-1])
     elif name == "gdn-early" and args in (["0"], ["1"]):
         gdn.EARLY_LOADS = args[0] == "1"
-    elif name == "gdn-tickets" and args in (["together"], ["apart"]):
-        gdn.TICKETS_TOGETHER = args[0] == "together"
     elif name == "gdn" and len(args) in (1, 2):
         gdn.gdn_step = functools.partial(BASE["gdn_step"], block_v=int(args[0]),
                                          num_warps=int(args[1]) if len(args) == 2 else 4)

@@ -23,9 +23,11 @@ hand each to the last program to get there instead of to a second launch (~3.5 u
   last shifts them (from values every program loaded before its ticket, so no load follows the ticket).
 
 Tickets are drawn after a barrier with acq_rel: everything a program read or wrote before is ordered before what
-the last one does after its ticket. A program draws its two tickets in one two-element atomic (`TICKETS_TOGETHER`):
-each acq_rel atomic is a fence and a round trip to L2, and both sit on the layer's critical path. The last one
-puts each counter back to 0, so a graph replay finds zeros.
+the last one does after its ticket. A program draws its two tickets in one two-element atomic: each acq_rel atomic
+is a fence and a round trip to L2 on the layer's critical path, and drawn one after the other the two made a GDN
+layer's path ~0.85 us longer (H100: a replay 4.552-4.556 against 4.523-4.524 ms,
+bench/results/2026-12-06-h100-step-variants-gdn-tickets-a42b503.json). The last one puts each counter back to 0,
+so a graph replay finds zeros.
 Norm and shift are the same ops as the two-launch path (`_gdn_out_kernel`, kept for a stream without a ticket
 region), so the two give the same bits.
 
@@ -55,13 +57,6 @@ EARLY_LOADS = True
 every program its head's gate inputs right after it (`_gdn_step_kernel`'s EARLY), so that the program that
 normalises a head finds them in registers after its ticket instead of loading them then. The same values either
 way; False for A/B runs (`tools/step_variants.py gdn-early:0`)."""
-
-TICKETS_TOGETHER = True
-"""Whether a step program draws its key-head ticket (the conv window shift) and its value-head ticket (the gated
-norm) in one two-element atomic, so that both share one fence and one round trip, or one after the other (two
-fences, two round trips). The same values either way. Together, the step's share of a GDN layer's path is ~0.85 us
-shorter and a replay 0.6-0.7% (H100: 4.523-4.524 against 4.552-4.556 ms,
-bench/results/2026-12-06-h100-step-variants-gdn-tickets-a42b503.json); `tools/step_variants.py gdn-tickets:apart`."""
 
 
 @triton.jit
@@ -161,7 +156,7 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
                      K: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr,
                      TILED: tl.constexpr, SILU: tl.constexpr, SILU_GATE: tl.constexpr, DT: tl.constexpr,
                      FUSED: tl.constexpr, Q8: tl.constexpr = 0, GDC: tl.constexpr = False,
-                     LATE: tl.constexpr = False, EARLY: tl.constexpr = True, TOGETHER: tl.constexpr = True):
+                     LATE: tl.constexpr = False, EARLY: tl.constexpr = True):
     """The step of one (dk, BV) state slab; with FUSED also the gated norm and the conv window shift (tickets
     in cnt: NV value-head counters, then NK key-head counters), else `_gdn_out_kernel` does those. Q8 (with
     FUSED; a word span of `gemv_q8x.ORDER`, 0: none): the program that normalises a head also stores it as Q8
@@ -227,30 +222,24 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
         tl.debug_barrier()
         _window_store(win_ptr, 2 * KEY_DIM + j * DV + vcol, 2 * KEY_DIM + j * DV + DV, vn, K, KP)
 
-        kcnt = cnt_ptr + NV + kh
-        vcnt = cnt_ptr + j
-        if TOGETHER:  # both counters in one atomic instruction: one fence and one round trip for the two tickets
-            two = tl.arange(0, 2)
-            drawn = tl.atomic_add(cnt_ptr + tl.where(two == 0, NV + kh, j), tl.full([2], 1, tl.int32),
-                                  sem="acq_rel", scope="gpu")
-            klast = tl.where(tl.sum(tl.where(two == 0, drawn, 0), axis=0) == REP * NVB - 1, 1, 0)
-            vlast = tl.where(tl.sum(tl.where(two == 1, drawn, 0), axis=0) == NVB - 1, 1, 0)
-        else:
-            klast = tl.where(tl.atomic_add(kcnt, 1, sem="acq_rel", scope="gpu") == REP * NVB - 1, 1, 0)
-        # q / k window of key head kh: shifted by the last of its REP * NVB readers (masks are bounds, not
-        # boolean ands: the interpreter rejects the latter)
+        # both tickets in one atomic instruction (each acq_rel atomic is a fence and a round trip to L2): the key
+        # head's (q / k window shift by the last of its REP * NVB readers) and the value head's (gated norm by the
+        # last of its NVB programs)
+        two = tl.arange(0, 2)
+        drawn = tl.atomic_add(cnt_ptr + tl.where(two == 0, NV + kh, j), tl.full([2], 1, tl.int32), sem="acq_rel",
+                              scope="gpu")
+        klast = tl.where(tl.sum(tl.where(two == 0, drawn, 0), axis=0) == REP * NVB - 1, 1, 0)
+        vlast = tl.where(tl.sum(tl.where(two == 1, drawn, 0), axis=0) == NVB - 1, 1, 0)
+        # (masks are bounds, not boolean ands: the interpreter rejects the latter)
         _window_store(win_ptr, kh * DK + i, kh * DK + DK * klast, qn, K, KP)
         _window_store(win_ptr, KEY_DIM + kh * DK + i, KEY_DIM + kh * DK + DK * klast, kn, K, KP)
-        tl.atomic_add(kcnt, -REP * NVB * klast, sem="relaxed", scope="gpu")  # back to 0 for the next launch
+        tl.atomic_add(cnt_ptr + NV + kh, -REP * NVB * klast, sem="relaxed", scope="gpu")  # back to 0
 
-        # gated norm of value head j by the last of its NVB programs
-        if not TOGETHER:
-            vlast = tl.where(tl.atomic_add(vcnt, 1, sem="acq_rel", scope="gpu") == NVB - 1, 1, 0)
         if not EARLY:  # loaded by the last program only
             nw = _norm_weight(nw_ptr, DV * vlast, DT, BD)
             z = _gate_inputs(z_ptr, j, DV * vlast, DV, BD)
         _gated_norm(o_ptr, z, nw, out_ptr, j, DV * vlast, DV, eps, BD, SILU_GATE, DT)
-        tl.atomic_add(vcnt, -NVB * vlast, sem="relaxed", scope="gpu")
+        tl.atomic_add(cnt_ptr + j, -NVB * vlast, sem="relaxed", scope="gpu")
         if Q8 > 0:
             tl.debug_barrier()  # the head's outputs are stored before they are read back
             rr = j * (DV // 32) + tl.arange(0, BD // 32)[:, None]
@@ -322,8 +311,7 @@ def gdn_step(x: torch.Tensor, z: torch.Tensor, b: torch.Tensor, alpha: torch.Ten
         xq if emit else o, nk, nv, dk, dv, cfg.gdn_key_dim, nv // nk, nvb, dk ** -0.5, cfg.rms_norm_eps,
         K=K, KP=triton.next_power_of_2(K), BK=triton.next_power_of_2(dk), BV=bv, BD=bd,
         TILED=prm.value_order == "tiled", SILU=cfg.hidden_act == "silu", SILU_GATE=silu_gate, DT=TL_DTYPES[dt],
-        FUSED=cnt is not None, Q8=q8_span if emit else 0, EARLY=EARLY_LOADS, TOGETHER=TICKETS_TOGETHER,
-        num_warps=num_warps, **pdl.launch(x.device, "gdn_step"))
+        FUSED=cnt is not None, Q8=q8_span if emit else 0, EARLY=EARLY_LOADS, num_warps=num_warps, **pdl.launch(x.device, "gdn_step"))
     if emit:
         gemv_rr.record_q8x(out, xq, q8_span)
     if cnt is None:  # no ticket counters on this stream: the norm and shift in a second launch
