@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from strata.kernels import gemv_rr as RR  # noqa: E402
-from strata.kernels import gemv_q8x, hyper, qsa_store  # noqa: E402
+from strata.kernels import gdn, gemv_q8x, hyper, qsa_store  # noqa: E402
 from strata.kernels.offline import compile_experts_gemm, compile_for, compile_rr  # noqa: E402
 
 WAIT = "griddepcontrol.wait"
@@ -75,6 +75,17 @@ def _qsa_store_ptx(late: bool) -> str:
     return _ptx(qsa_store._qsa_store_kernel, ptrs, ints, consts, 4)
 
 
+def _gdn_step_ptx() -> str:
+    """The one-launch GDN step at the real geometry (48 value heads, 16 key heads, dk = dv = 128), bf16."""
+    bf = "*bf16"
+    ptrs = dict(x_ptr=bf, b_ptr=bf, alpha_ptr=bf, convw_ptr=bf, win_ptr=bf, A_ptr="*fp32", dtb_ptr="*fp32",
+                S_ptr="*fp32", o_ptr=bf, z_ptr=bf, nw_ptr="*fp32", out_ptr=bf, cnt_ptr="*i32", xq_ptr=bf)
+    ints = dict(NK=16, NV=48, DK=128, DV=128, KEY_DIM=2048, REP=3, NVB=4, q_scale=0.088, eps=1e-6)
+    consts = dict(K=4, KP=4, BK=128, BV=32, BD=128, TILED=False, SILU=True, SILU_GATE=True,
+                  DT=triton.language.bfloat16, FUSED=True, Q8=0, GDC=True, LATE=False, EARLY=True)
+    return _ptx(gdn._gdn_step_kernel, ptrs, ints, consts, 4)
+
+
 def _cases() -> dict:
     """Name -> a function that compiles one case and returns its PTX."""
     cases = {}
@@ -96,6 +107,7 @@ def _cases() -> dict:
             dict(SPAN=8, RB=16, GDC=True, LATE=lt), 4)
     for late in (True, False):
         cases[f"qsa_store-late-{late}"] = lambda lt=late: _qsa_store_ptx(lt)
+    cases["gdn-step"] = _gdn_step_ptx
     cases["probe-Q4_K_R-glu"] = lambda: _rr_ptx("Q4_K_R", True, False, RR.RELEASE["ids"], probe=True)
     cases["noprobe-Q4_K_R-glu"] = lambda: _rr_ptx("Q4_K_R", True, False, RR.RELEASE["ids"])
     for half in ("down", "up"):
@@ -202,6 +214,14 @@ def test_hc_read_release_points(ptx, half, late):
     wait, launch = _order(code)
     assert (wait < launch) == late
     assert not re.search(r"(atom|red|ld)\.global\.gpu\.\w+\.(add\.u64|b64)", code)  # no 64-bit counter
+
+
+def test_gdn_step_draws_both_tickets_in_one_atomic(ptx):
+    """The GDN step's two tickets (key head: window shift; value head: gated norm) are one acq_rel atomic
+    instruction, one fence and one round trip to L2 on the layer's path, not two in a row."""
+    code = ptx["gdn-step"]
+    assert len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", code)) == 1
+    _order(code)
 
 
 def test_probe_compiles_to_timer_reads_only_when_asked(ptx):
