@@ -106,6 +106,23 @@ def test_layer_paths_reads_the_critical_path_off_a_timeline():
     assert "gdn layer (2 of 2 alike): 52.0 us" in text and "_select_kernel" in text
 
 
+def test_layer_paths_takes_the_most_common_launch_sequence():
+    # five GDN layers: the middle one launches an extra kernel (left out of the medians, not chosen as the shape);
+    # in the fourth the two overlapping GEMVs end in the other order (same launches: still alike)
+    def gdn(t0, first_end, second_end, extra=False):
+        layer = [["_hc_down_kernel", t0, t0 + 5], ["_gdn_step_kernel", t0 + 4, t0 + 10],
+                 ["_rr_kernel", t0 + 11, t0 + first_end], ["_gemv_kernel", t0 + 12, t0 + second_end]]
+        layer += [["_route_kernel", t0 + 13, t0 + 14]] if extra else []
+        return layer + [["_combine_kernel", t0 + 30, t0 + 32]]
+    timeline = gdn(0, 20, 25) + gdn(100, 20, 25) + gdn(200, 20, 25, extra=True) + gdn(300, 26, 22) + gdn(400, 20, 25)
+    g = bench.layer_paths(timeline)["gdn"]
+    assert (g["layers"], g["alike"], g["span_us"]) == (5, 4, 32.0)
+    assert [n for n, *_ in g["steps"]] == ["_hc_down_kernel", "_gdn_step_kernel", "_rr_kernel", "_gemv_kernel",
+                                           "_combine_kernel"]
+    assert g["steps"][2] == ["_rr_kernel", 20.0, 10.0, 11.0]  # ends: 20, 20, 26, 20; shares: 10, 10, 4, 10
+    assert g["steps"][3] == ["_gemv_kernel", 25.0, 5.0, 12.0]  # ends: 25, 25, 22, 25; shares: 5, 5, 12, 5
+
+
 def test_prefill_chunks_is_a_chunked_prefill(fixtures_dir):
     """The prefill loop the bench times (and tools/step_variants compares logits by): the last position's logits
     of one call over the whole prompt, and the state it leaves decodes on alike."""

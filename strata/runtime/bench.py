@@ -15,7 +15,7 @@ import re
 import statistics
 import subprocess
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -321,36 +321,38 @@ QSA_KERNELS = {"_block_scores_kernel", "_select_kernel", "_rank_select_kernel", 
 def layer_paths(timeline: list[list]) -> dict:
     """The critical path of a decoder layer, read off a replay's timeline ([name, start us, end us] in start
     order): the timeline cut after each `LAYER_END_KERNEL`, each layer classed by the kernels in it ("gdn" with
-    `_gdn_step_kernel`, "qsa" with one of `QSA_KERNELS`, else "other"), and for each class whose layers launch the
-    same kernels in the same order, per launch (in end order) the medians over those layers of when it ends
-    after the layer's first start, how much it moves the layer's latest end so far (its share of the
-    critical path) and when it starts (with PDL: when it was let in, which can be long before its inputs are
-    ready). Launches that overlap others get the share by which they outlast them."""
+    `_gdn_step_kernel`, "qsa" with one of `QSA_KERNELS`, else "other"). Within a class the layers that launch
+    the most common sequence of kernels (in start order, which follows the stream order; end order varies where
+    launches overlap) are "alike"; per launch, the medians over those layers of when it ends after the layer's
+    first start, how much it moves the layer's latest end so far (its share of the critical path) and when it
+    starts (with PDL: when it was let in, which can be long before its inputs are ready), listed by median end.
+    Launches that overlap others get the share by which they outlast them."""
     layers, cur = [], []
     for name, s, e in timeline:
         cur.append((name, float(s), float(e)))
         if name.startswith(LAYER_END_KERNEL):
             layers.append(cur)
             cur = []
-    kinds: dict[str, list[list[tuple[str, float, float]]]] = defaultdict(list)
+    kinds: dict[str, list[list[tuple[str, float, float, float]]]] = defaultdict(list)
     for layer in layers:
         names = {n for n, _, _ in layer}
         kind = "gdn" if "_gdn_step_kernel" in names else "qsa" if names & QSA_KERNELS else "other"
         t0 = frontier = min(s for _, s, _ in layer)
-        steps = []
-        for n, s, e in sorted(layer, key=lambda k: k[2]):
-            steps.append((n, e - t0, max(0.0, e - frontier), s - t0))
-            frontier = max(frontier, e)
-        kinds[kind].append(steps)
+        share = {}
+        for i in sorted(range(len(layer)), key=lambda i: layer[i][2]):
+            share[i] = max(0.0, layer[i][2] - frontier)
+            frontier = max(frontier, layer[i][2])
+        kinds[kind].append([(n, e - t0, share[i], s - t0) for i, (n, s, e) in enumerate(layer)])
     out = {}
+    med = statistics.median
     for kind, ls in kinds.items():
-        shape = [st[0] for st in ls[len(ls) // 2]]
-        same = [steps for steps in ls if [st[0] for st in steps] == shape]
-        med = statistics.median
+        shapes = Counter(tuple(st[0] for st in steps) for steps in ls)
+        shape = max(shapes, key=lambda sh: (shapes[sh], -len(sh)))
+        same = [steps for steps in ls if tuple(st[0] for st in steps) == shape]
+        rows = [[n, *(round(med([st[i][j] for st in same]), 2) for j in (1, 2, 3))] for i, n in enumerate(shape)]
         out[kind] = {"layers": len(ls), "alike": len(same),
-                     "span_us": round(med([steps[-1][1] for steps in ls]), 2),
-                     "steps": [[n, *(round(med([st[i][j] for st in same]), 2) for j in (1, 2, 3))]
-                               for i, n in enumerate(shape)]}
+                     "span_us": round(med([max(st[1] for st in steps) for steps in ls]), 2),
+                     "steps": sorted(rows, key=lambda r: r[1])}
     return out
 
 
