@@ -110,3 +110,42 @@ def test_model_decode_matches_reference(name, tmp_path, monkeypatch):
     reference.assert_decodes_match(ref, fast, ids, prompt=4, capacity=16)
     # the kernels ran on every decode step of every PLE layer, in the engine and in the static step
     assert calls["hc"] > 0 and calls["ple"] == 2 * 4 * len(ref.cfg.ple_layer_ids)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("wide", [False, True])
+def test_ple_gather_kernel_equals_host_gather(n: int, wide: bool) -> None:
+    """The device n-gram hash and row gather (`ple_gather`) writes the rows the host path gathers
+    (`ngram_rows_one` + `stored_rows_into`), over histories with EOS ids anywhere (they cut the n-grams); with
+    the real multipliers (~2^45) and with 64-bit ones (`wide`: products wrap around int64 and hashes go
+    negative, so the floor remainder matters)."""
+    import dataclasses
+    import random
+
+    from strata.model import ple
+    from strata.runtime.synthetic import real_config
+
+    cfg = real_config(ngram_size=n, ngram_vocab_size_base=3_000, **({"ple_embed_dim": 2400} if n == 4 else {}))
+    geo = next(iter(cfg.ple.values()))
+    if wide:
+        geo = dataclasses.replace(geo, multipliers=tuple((0x9E3779B97F4A7C15 * (k + 3)) % 2**64 for k in range(n)))
+    tables = ple.NgramTables.of(geo, cfg, "cpu")
+    table = torch.randint(0, 256, (geo.rows, 18), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    rng = random.Random(n)
+    eos = cfg.ple_eos
+    negative = 0
+    for _ in range(40):
+        hist = [rng.choice([eos, rng.randrange(cfg.vocab_size)]) for _ in range(n)]
+        rows = ple.ngram_rows_one(hist[-1], hist[:-1], geo, cfg)
+        want = table[rows]
+        got = torch.zeros_like(want)
+        ple_kernel.ple_gather(torch.tensor(hist), table, tables, got)
+        assert torch.equal(got, want), hist
+        ref = torch.zeros_like(want)
+        ple.ple_gather_ref(torch.tensor(hist), table, tables, ref)
+        assert torch.equal(ref, want), hist
+        h = ple._i64(hist[-1] * geo.multipliers[0])
+        for k in range(1, n):
+            h ^= ple._i64((hist[n - 1 - k] if eos not in hist[n - k:n - 1] else eos) * geo.multipliers[k])
+            negative += h < 0
+    assert (negative > 0) == wide

@@ -1,4 +1,6 @@
-"""Fused PLE mix for one token: the twin of `strata.model.ple.ple_mix_ref` for L == 1, in two launches.
+"""Fused PLE mix for one token: the twin of `strata.model.ple.ple_mix_ref` for L == 1, in two launches; and the
+n-gram hash and row gather of a step whose PLE tables are in device memory (`ple_gather`, the twin of
+`strata.model.ple.ple_gather_ref`).
 
 1. `_ple_gate_kernel`, grid (S,): one program per hyper-connection stream computes the stream's grouped
    RMSNorms of the key projection and of the state (Q), the gate score s = sum(K.Q) / sqrt(H),
@@ -25,6 +27,7 @@ import triton.language as tl
 
 from strata.config import ModelConfig
 from strata.kernels import pdl
+from strata.model.ple import NgramTables
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -116,3 +119,47 @@ def ple_mix(x: torch.Tensor, key: torch.Tensor, value: torch.Tensor, norm_key: t
                                              KP=conv_w.shape[1], NG=cfg.ngram_size, BC=bc, DT=TL_DTYPES[dt],
                                              **pdl.launch(x.device))
     return out
+
+
+@triton.jit
+def _ple_gather_kernel(hist_ptr, mult_ptr, prime_ptr, off_ptr, table_ptr, out_ptr, eos, RB,
+                       N: tl.constexpr, HPN: tl.constexpr, NH: tl.constexpr, BH: tl.constexpr, BB: tl.constexpr):
+    """One program: the hashes of the n-grams ending at hist[N - 1] (orders 2..N; ids older than an EOS hash as
+    EOS), lane j the row of head j (order j // HPN + 2), and its RB stored bytes copied to out[j]."""
+    j = tl.arange(0, BH)
+    jm = j < NH
+    order = j // HPN + 1  # the n-gram's oldest id is `order` back
+    acc = tl.load(hist_ptr + N - 1) * tl.load(mult_ptr)
+    sel = tl.zeros([BH], dtype=tl.int64)
+    dead = 0  # EOS ids seen among those 1 .. k-1 back
+    for k in tl.static_range(1, N):
+        idk = tl.load(hist_ptr + N - 1 - k)
+        acc = acc ^ (tl.where(dead == 0, idk, eos) * tl.load(mult_ptr + k))
+        dead += (idk == eos).to(tl.int32)
+        sel = tl.where(order == k, acc, sel)
+    prime = tl.load(prime_ptr + j, mask=jm, other=1)
+    rem = sel % prime  # truncated: the sign of sel
+    row = tl.where(rem < 0, rem + prime, rem) + tl.load(off_ptr + j, mask=jm, other=0)
+    b = tl.arange(0, BB)
+    m = jm[:, None] & (b < RB)[None, :]
+    data = tl.load(table_ptr + row[:, None] * RB + b[None, :], mask=m, other=0)
+    tl.store(out_ptr + j[:, None] * RB + b[None, :], data, mask=m)
+
+
+def gather_supported(hist: torch.Tensor, table: torch.Tensor, tables: NgramTables, out: torch.Tensor) -> bool:
+    """The layouts the gather kernel reads: hist (n,) int64, the table (rows, row bytes) and out (heads, row
+    bytes) uint8, contiguous, and the geometry tensors on one device."""
+    nh = tables.primes.numel()
+    return (hist.dtype == torch.int64 and hist.dim() == 1 and hist.is_contiguous()
+            and table.dtype == torch.uint8 and table.dim() == 2 and table.is_contiguous()
+            and out.dtype == torch.uint8 and out.is_contiguous() and tuple(out.shape) == (nh, table.shape[1])
+            and tables.multipliers.numel() == hist.numel() and nh == (hist.numel() - 1) * tables.heads_per_ngram
+            and len({t.device for t in (hist, table, out, tables.multipliers, tables.primes, tables.offsets)}) == 1)
+
+
+def ple_gather(hist: torch.Tensor, table: torch.Tensor, tables: NgramTables, out: torch.Tensor) -> None:
+    """`Ops.ple_gather` in one launch: the n-gram rows of hist's last id gathered from `table` into `out`."""
+    nh, rb = out.shape
+    _ple_gather_kernel[(1,)](hist, tables.multipliers, tables.primes, tables.offsets, table, out, tables.eos, rb,
+                             N=hist.numel(), HPN=tables.heads_per_ngram, NH=nh, BH=triton.next_power_of_2(nh),
+                             BB=triton.next_power_of_2(rb))

@@ -7,7 +7,9 @@ copy of ~1.5 KB."""
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -104,6 +106,57 @@ def ple_rows_into(token: int, w: Weights, layer: int, cfg: ModelConfig, state: P
     ctx[:-1] = ctx[1:]  # numpy copies overlapping ranges as if through a temporary
     ctx[-1] = token
     w[f"L{layer}.ple.table"].stored_rows_into(rows, out)
+
+
+@dataclass(frozen=True)
+class NgramTables:
+    """One PLE layer's hashing geometry as device tensors, for a step that hashes a token's n-grams and gathers
+    their rows on the device (`Ops.ple_gather`): the multipliers (n,) wrapped to int64 (the products wrap
+    alike), and each n-gram head's prime and row offset ((n-1) * heads_per_ngram,)."""
+
+    multipliers: torch.Tensor
+    primes: torch.Tensor
+    offsets: torch.Tensor
+    eos: int
+    heads_per_ngram: int
+
+    @classmethod
+    def of(cls, geo: PLEGeometry, cfg: ModelConfig, device: torch.device | str) -> NgramTables:
+        i64 = functools.partial(torch.tensor, dtype=torch.int64, device=device)
+        return cls(i64([_i64(m) for m in geo.multipliers]), i64(list(geo.primes)), i64(list(geo.offsets)),
+                   cfg.ple_eos, cfg.heads_per_ngram)
+
+
+def ple_hist_into(token: int, layer: int, state: PLEState, out: np.ndarray) -> None:
+    """A decode step's host work where the device hashes (`Ops.ple_gather`): the n-gram history of one id
+    (its context, then the id) written into `out` ((n,) int64), the context advanced as `ple_rows_into` does."""
+    ctx = state.context.numpy()
+    out[:-1] = ctx
+    out[-1] = token
+    ctx[:-1] = ctx[1:]
+    ctx[-1] = token
+
+
+def ple_gather_ref(hist: torch.Tensor, table: torch.Tensor, tables: NgramTables, out: torch.Tensor) -> None:
+    """`ngram_rows_one` and `StoredTensor.stored_rows_into` in tensor ops on the table's device (no host
+    synchronisation, so a captured step can run it): hist (n,) int64 the context and the id, table (rows, row
+    bytes) uint8 the stored rows, out (heads, row bytes) uint8. Ids older than an EOS (the id itself excepted)
+    hash as EOS; the row of head j of order m is h_m % prime_j + offset_j (the remainder taken non-negative)."""
+    n = hist.numel()
+    back = hist.flip(0)  # back[k]: the id k back
+    eos = torch.full_like(back, tables.eos)
+    # live[k]: no EOS among the ids 1 .. k-1 back (the current id's own EOS does not count)
+    dead = torch.cumsum((back == tables.eos) & (torch.arange(n, device=hist.device) > 0), 0)
+    live = torch.cat([torch.zeros(1, dtype=dead.dtype, device=hist.device), dead[:-1]]) == 0
+    prods = torch.where(live, back, eos) * tables.multipliers
+    acc = prods[0]
+    orders = []
+    for k in range(1, n):
+        acc = torch.bitwise_xor(acc, prods[k])
+        orders.append(acc)
+    hashes = torch.stack(orders).repeat_interleave(tables.heads_per_ngram)  # (heads,): head j has order j // hpn + 1
+    rows = torch.remainder(hashes, tables.primes) + tables.offsets
+    out.copy_(table.index_select(0, rows))
 
 
 def decode_rows_ref(stored: torch.Tensor, table: StoredTensor, dtype: torch.dtype) -> torch.Tensor:
