@@ -96,7 +96,7 @@ def test_modes_on_the_bundled_model(monkeypatch, capsys):
 def test_engine_reports_and_validates_the_mode():
     assert Engine.load(ple_table="mapped").ple_table == "mapped"
     assert Engine.load().ple_table == "resident"
-    with pytest.raises(StrataError, match="ple_table must be one of auto, resident, mapped, got 'x'"):
+    with pytest.raises(StrataError, match="ple_table must be one of auto, resident, mapped, device, got 'x'"):
         Engine.load(ple_table="x")
 
 
@@ -120,3 +120,35 @@ def test_inspect_shows_the_plan(capsys):
 
     assert main(["inspect", "--ple-table", "mapped"]) == 0
     assert "--ple-table mapped: mapped" in capsys.readouterr().out
+
+
+def test_device_mode_refuses_a_cpu_or_a_full_gpu_before_copying(monkeypatch):
+    """`--ple-table device` on a CPU model, or on a GPU with less free memory than the tables, is refused with
+    the sizes, before any byte moves."""
+    import torch
+
+    w = load_weights(Engine.load().path)
+    with pytest.raises(StrataError, match="keeps the PLE tables in a GPU's memory; the model runs on cpu"):
+        Engine.load(ple_table="device")
+    need = sum(t.nbytes for t in host_memory.ple_tables(w))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need - 1, 10 * need))
+    with pytest.raises(StrataError, match=r"the PLE tables need .* GiB on cuda, .* GiB is free .*resident or mapped"):
+        host_memory.tables_to_device(w, "cuda")
+    assert host_memory.plan(w, "device") == ("device", need, host_memory.available_bytes())
+
+
+def test_one_tensor_joins_row_shards_and_refuses_mixed_storage():
+    """A table's row shards become one tensor of the same rows (what the step's device gather reads); shards of
+    two storage types are refused by name."""
+    import torch
+
+    from strata.weights.tensor import DenseTensor, RowConcatTensor
+
+    parts = [DenseTensor(f"t.{i}", torch.randn(5 + i, 4).to(torch.bfloat16)) for i in range(3)]
+    table = RowConcatTensor("t", parts)
+    one = host_memory.one_tensor(table, torch.device("cpu"))
+    assert isinstance(one, DenseTensor) and one.shape == table.shape
+    assert torch.equal(one.tensor, torch.cat([p.tensor for p in parts]))
+    mixed = RowConcatTensor("t", [parts[0], DenseTensor("t.f", torch.randn(2, 4))])
+    with pytest.raises(StrataError, match="t: --ple-table device needs the table as 2-D row shards of one storage"):
+        host_memory.one_tensor(mixed, torch.device("cpu"))

@@ -149,3 +149,18 @@ def test_ple_gather_kernel_equals_host_gather(n: int, wide: bool) -> None:
             h ^= ple._i64((hist[n - 1 - k] if eos not in hist[n - k:n - 1] else eos) * geo.multipliers[k])
             negative += h < 0
     assert (negative > 0) == wide
+
+
+@pytest.mark.parametrize("name", ["tiny", "hc4"])
+def test_step_with_the_gather_kernel_equals_host_staging(name: str, tmp_path) -> None:
+    """The decode step gathering its PLE rows with the Triton kernel (under the interpreter) gives the
+    host-staged step's logits bit for bit."""
+    import dataclasses
+
+    from strata.model.model import Model
+    from tests.test_static_step import assert_device_gather_equals_host
+
+    engine = Engine(load_hf(reference.save(reference.build(name), tmp_path)))
+    m = engine.model
+    model = Model(m.w, m.dtype, m.device, dataclasses.replace(m.ops, ple_gather=ple_kernel.ple_gather))
+    assert_device_gather_equals_host(model, engine.cfg)

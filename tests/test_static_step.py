@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from strata.errors import StrataError
 from strata.model.experts import experts_gather, experts_ref
 from strata.runtime.engine import Engine
 from strata.runtime.graph import DecodeStep
@@ -45,6 +46,44 @@ def test_split_step_equals_the_whole_step(engine):
         assert step.split == (first_ple if split and first_ple > 0 else None)
         outs.append([step.prefill(ids[:4])] + [step.step(int(t)) for t in ids[4:]])
     assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+
+
+def test_device_ple_gather_equals_host_staging(engine):
+    """A step that hashes its n-grams and gathers its PLE rows on the device (from the histories the host
+    stages; `Ops.ple_gather`, as with `--ple-table device`) gives the host-staged step's logits bit for bit,
+    through EOS ids, and is not split. (The Triton gather in the step: tests/test_kernels_hc_ple.py.)"""
+    assert_device_gather_equals_host(engine.model, engine.cfg)
+
+
+def assert_device_gather_equals_host(model, cfg) -> None:  # noqa: ANN001 - a Model and its config
+    """The model's step with its PLE tables as one tensor each (`--ple-table device` on a GPU; on the CPU here)
+    gathering on its device, against the host-staged step of the model as given."""
+    from strata.model.model import Model
+    from strata.runtime.host_memory import one_tensor
+    from strata.weights.schema import Weights
+
+    w = model.w
+    tensors = {n: one_tensor(t, model.device) if n.endswith("ple.table") else t for n, t in w.tensors.items()}
+    one = Model(Weights(w.cfg, tensors, w.gdn_value_order, w.source, w.unknown), model.dtype, model.device, model.ops)
+    ids = torch.randint(2, cfg.vocab_size, (14,), generator=torch.Generator().manual_seed(7))
+    ids[6] = ids[9] = cfg.ple_eos
+    outs = []
+    for on in (False, True):
+        step = DecodeStep(one if on else model, capacity=32, capture=False, ple_gather=on)
+        assert (step.tables is not None) == on and (step.split is None or not on)
+        outs.append([step.prefill(ids[:4])] + [step.step(int(t)) for t in ids[4:]])
+        assert step.state.ple[min(cfg.ple)].context.tolist() == ids[-(cfg.ngram_size - 1):].tolist()
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+
+
+def test_device_ple_gather_refuses_host_tables_off_the_device(engine, monkeypatch):
+    """Asked to gather on a device its tables are not on, the step names the table and the flag."""
+    import strata.runtime.graph as graph
+
+    monkeypatch.setattr(graph, "raw_rows", lambda t: None)
+    with pytest.raises(StrataError, match=r"ple\.table.*not one contiguous tensor.*--ple-table device"):
+        DecodeStep(engine.model, capacity=8, capture=False, ple_gather=True)
+    assert DecodeStep(engine.model, capacity=8, capture=False).tables is None  # the default falls back
 
 
 def test_expert_gather_twin_matches_reference(engine):

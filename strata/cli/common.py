@@ -26,11 +26,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_ple_table_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ple-table", default="auto", choices=["auto", "resident", "mapped"],
+    p.add_argument("--ple-table", default="auto", choices=["auto", "resident", "mapped", "device"],
                    help="the PLE n-gram tables (tens of GB at full size): resident reads every page into memory at "
                         "load, so no decode token waits on a page fault for its table rows (the table's size in RAM, "
                         "a full read of it); mapped reads rows from the model file's pages as tokens hash to them; "
-                        "auto (default) is resident where the tables fit in 80%% of the available memory")
+                        "auto (default) is resident where the tables fit in 80%% of the available memory; device "
+                        "copies them into the GPU's memory (where it has room beside the model), and the captured "
+                        "decode step hashes and gathers each token's rows itself (no host work per token)")
 
 
 def parse_ids(text: str) -> list[int]:

@@ -62,6 +62,7 @@ def fused_ops(base: Ops, force: bool = False, q8: bool = False) -> Ops:
         "hc_write": (hc_write_kernel.hc_write, hc_write_kernel.supported),
         "ple_mix": (ple_kernel.ple_mix, lambda x, key, value, nk, nq, nc, conv_w, window, cfg:
                     ple_kernel.supported(x, key, value, conv_w, window, cfg)),
+        "ple_gather": (ple_kernel.ple_gather, ple_kernel.gather_supported),
         "qsa_store": (lambda state, pos, ki, k, v, rope, inorm, knorm, cfg, *_:
                       qsa_store.qsa_store(state, pos, ki, k, v, rope, inorm, knorm, cfg.rms_norm_eps),
                       lambda state, pos, ki, k, v, rope, inorm, knorm, *_:

@@ -17,7 +17,7 @@ from strata.model.gdn import gdn_layer
 from strata.model.hyper import hc_read, hc_write_read
 from strata.model.moe import moe_layer
 from strata.model.ops import Ops
-from strata.model.ple import ple_layer, ple_rows, ple_rows_into
+from strata.model.ple import ple_hist_into, ple_layer, ple_rows, ple_rows_into
 from strata.model.qsa import Rope, qsa_layer
 from strata.runtime.state import SequenceState
 from strata.weights.schema import Weights
@@ -77,6 +77,16 @@ class Model:
         `stage`; returns the id's position."""
         for i, s in state.ple.items():
             ple_rows_into(token, self.w, i, self.cfg, s, ple_out[i])
+        state.length += 1
+        state.tokens.append(token)
+        return state.length - 1
+
+    def stage_history(self, token: int, state: SequenceState, hist_out: dict[int, np.ndarray]) -> int:
+        """`stage_token` for a step that hashes and gathers on the device (`Ops.ple_gather`): each PLE layer's
+        n-gram history of the id (its context, then the id; (n,) int64) written into `hist_out[layer]`. Advances
+        the state like `stage`; returns the id's position."""
+        for i, s in state.ple.items():
+            ple_hist_into(token, s, hist_out[i])
         state.length += 1
         state.tokens.append(token)
         return state.length - 1

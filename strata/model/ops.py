@@ -20,7 +20,7 @@ from strata.model.experts import experts_ref
 from strata.model.gdn import gdn_core_ref
 from strata.model.hyper import hc_read_ref, hc_write_read_ref, hc_write_ref
 from strata.model.moe import moe_combine_ref, route_ref
-from strata.model.ple import decode_rows_ref, ple_mix_ref
+from strata.model.ple import decode_rows_ref, ple_gather_ref, ple_mix_ref
 from strata.model.qsa import Rope, norm_rope_ref, norm_ropes_ref, qsa_store_ref, select_tokens
 from strata.weights.tensor import StoredTensor
 
@@ -101,6 +101,9 @@ class Ops:
     moe_combine: Callable = moe_combine_ref  # (routed, gate_logit (L, 1), shared) -> (L, H)
     hc_write: Callable = hc_write_ref  # (x (L, S*H), inject (L, S), y (L, H)) -> (L, S*H)
     ple_mix: Callable = ple_mix_ref  # (x, key, value, 3 norm scales, conv_w, window, cfg) -> (L, S*H)
+    # (hist (n,) int64, table (rows, row bytes) uint8, NgramTables, out (heads, row bytes) uint8) -> None: a token's
+    # n-gram rows gathered where the table lives (a step whose PLE tables are in device memory)
+    ple_gather: Callable = ple_gather_ref
     # hc_write then hc_read: (x, inject_prev (L, S), y (L, H), norm, down, up, inject|None, S, eps, linear)
     # -> (x' (L, S*H), a, inject weights|None)
     hc_write_read: Callable = hc_write_read_ref

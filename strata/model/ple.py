@@ -127,7 +127,7 @@ class NgramTables:
                    cfg.ple_eos, cfg.heads_per_ngram)
 
 
-def ple_hist_into(token: int, layer: int, state: PLEState, out: np.ndarray) -> None:
+def ple_hist_into(token: int, state: PLEState, out: np.ndarray) -> None:
     """A decode step's host work where the device hashes (`Ops.ple_gather`): the n-gram history of one id
     (its context, then the id) written into `out` ((n,) int64), the context advanced as `ple_rows_into` does."""
     ctx = state.context.numpy()

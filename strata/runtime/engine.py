@@ -16,7 +16,7 @@ from strata.errors import StrataError
 from strata.model.model import Model, SequenceState
 from strata.model.ops import ACTIVATIONS, Ops, with_activations
 from strata.runtime.host_memory import check_mode as check_ple_table_mode
-from strata.runtime.host_memory import hold_ple_tables
+from strata.runtime.host_memory import hold_ple_tables, tables_to_device
 from strata.weights.schema import Weights
 
 if TYPE_CHECKING:
@@ -50,9 +50,9 @@ def load_weights(path: str | Path) -> Weights:
 
 class Engine:
     """A model ready to run: `new_state()`, `prefill(ids, state)`, `decode(token, state)`. On a CUDA device the
-    weights are placed there (the PLE table stays on the host) and the Triton kernels are installed. ple_table:
-    whether the PLE tables' pages are read into memory first (`strata.runtime.host_memory`); progress: a progress
-    bar on stderr while they are."""
+    weights are placed there (the PLE table stays on the host unless `ple_table` is "device") and the Triton
+    kernels are installed. ple_table: whether the PLE tables' pages are read into memory first, or copied into the
+    GPU's memory (`strata.runtime.host_memory`); progress: a progress bar on stderr while they are."""
 
     def __init__(self, weights: Weights, dtype: str | torch.dtype = "float32", device: str = "cpu",
                  ops: Ops | None = None, path: Path | None = None, graphs: bool | None = None,
@@ -76,9 +76,12 @@ class Engine:
             ops = ops or fast_ops(activations=activations)
         elif ops is None:
             ops = with_activations(Ops(), activations)
+        if ple_table == "device" and weights.cfg.ple:
+            weights = tables_to_device(weights, self.device, progress)
         self.weights = weights
         self.ple_table = hold_ple_tables(weights, ple_table, progress)
-        """What `hold_ple_tables` did with the PLE tables: "resident", "mapped" or "none"."""
+        """What was done with the PLE tables: "resident", "mapped" (`hold_ple_tables`), "device" (in the GPU's
+        memory, `tables_to_device`) or "none"."""
         self.cfg = weights.cfg
         self.path = path
         self.model = Model(weights, self.dtype, self.device, ops)

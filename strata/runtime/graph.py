@@ -7,11 +7,14 @@ Inside, nothing depends on data: no host synchronisation, no allocation, the sam
 CUDA (or with `capture=False`) the same step runs eagerly, which is how the CPU tests check it against the
 growing-state decode path.
 
-When the first PLE layer is not layer 0, the step is captured as two graphs split at that layer: the host writes
-the id and position, replays the front (embedding and the layers before it, after its copy of the id and
-position), and only then hashes the token's n-grams, gathers their table rows and replays the rest (which copies
-them first). The device runs the front while the host stages the rows and launches the second graph, so neither
-the staging nor that launch is on the token's critical path.
+Where the PLE tables live in host memory and the first PLE layer is not layer 0, the step is captured as two
+graphs split at that layer: the host writes the id and position, replays the front (embedding and the layers
+before it, after its copy of the id and position), and only then hashes the token's n-grams, gathers their table
+rows and replays the rest (which copies them first). The device runs the front while the host stages the rows and
+launches the second graph, so neither the staging nor that launch is on the token's critical path. Where the
+tables are in device memory (`--ple-table device`), the host writes each PLE layer's n-gram history (the context
+and the id) instead, the step's first launches hash it and gather the rows (`Ops.ple_gather`), and the step is
+one graph: a token's host work is a few integers and one replay call, whatever the host's speed.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ from strata.errors import StrataError
 from strata.model.experts import experts_gather
 from strata.model.model import Carry, Model, StepInputs
 from strata.model.ops import Ops, linear_q8_ref
+from strata.model.ple import NgramTables
 from strata.runtime.state import SequenceState
 from strata.runtime.streams import CAPTURE_LANE, side_stream
+from strata.weights.tensor import raw_rows
 
 
 def capturable(ops: Ops) -> Ops:
@@ -80,16 +85,25 @@ class DecodeStep:
     """A model's single-token decode step bound to one fixed-capacity sequence state."""
 
     def __init__(self, model: Model, capacity: int, capture: bool | None = None,
-                 state: SequenceState | None = None, split: bool = True):
+                 state: SequenceState | None = None, split: bool = True, ple_gather: bool | None = None):
+        """ple_gather: hash a token's n-grams and gather its PLE rows on the model's device (`Ops.ple_gather`);
+        None (default): where every PLE table's stored rows are one tensor in the model's device memory on a
+        CUDA device. True refuses tables that are not on the model's device."""
         self.model = Model(model.w, model.dtype, model.device, capturable(model.ops))
         self.capacity = capacity
         if state is not None and not state.fixed_capacity(capacity):
             raise StrataError(f"a decode step needs a state allocated at a fixed capacity of {capacity} positions")
         self.state: SequenceState = state if state is not None else self.model.new_state(capacity)
         dev, cfg = model.device, model.cfg
+        self.tables = self._device_tables(ple_gather)
+        """Each PLE layer's stored rows (rows, row bytes) uint8 on the device and its hashing geometry, where the
+        step gathers them itself; None where the host stages them."""
         # The static inputs are views of one device buffer, filled from one page-locked buffer of the same layout
-        # by one copy per token: the id and the position (int64), then each PLE layer's stored rows.
+        # by one copy per token: the id and the position (int64), then each PLE layer's stored rows (or, where the
+        # device gathers them, its n-gram history: n int64).
         forms = {i: self._stored_row_form(i) for i in cfg.ple}
+        if self.tables is not None:
+            forms = {i: torch.zeros(cfg.ngram_size, dtype=torch.int64) for i in cfg.ple}
         offsets, size = {}, 16
         for i, f in forms.items():
             offsets[i] = size
@@ -103,11 +117,17 @@ class DecodeStep:
             f = forms[i]
             return buf[offsets[i]:offsets[i] + f.numel() * f.element_size()].view(f.dtype).view(f.shape)
 
+        if self.tables is None:
+            ple = {i: view(self._packed, i) for i in cfg.ple}
+            # each PLE layer's rows as the uint8 numpy array of their bytes (ngram_heads, row bytes): the host
+            # gathers a token's rows straight into them
+            self._host_ple = {i: view(self._host, i)[0].view(torch.uint8).numpy() for i in cfg.ple}
+        else:  # the rows are written by the step's gathers, from the histories the host writes
+            ple = {i: self._stored_row_form(i).to(dev) for i in cfg.ple}
+            self._hist = {i: view(self._packed, i) for i in cfg.ple}
+            self._host_ple = {i: view(self._host, i).numpy() for i in cfg.ple}
         self.inputs = StepInputs(ids=self._packed[0:8].view(torch.int64), positions=self._packed[8:16].view(torch.int64),
-                                 n_keys=capacity, ple={i: view(self._packed, i) for i in cfg.ple})
-        # each PLE layer's rows as the uint8 numpy array of their bytes (ngram_heads, row bytes): the host gathers
-        # a token's rows straight into them
-        self._host_ple = {i: view(self._host, i)[0].view(torch.uint8).numpy() for i in cfg.ple}
+                                 n_keys=capacity, ple=ple)
         self.capture = dev.type == "cuda" if capture is None else capture
         if self.capture and dev.type != "cuda":
             raise StrataError("graph capture needs a CUDA device")
@@ -115,13 +135,40 @@ class DecodeStep:
         # for host-side samplers) and "sampled" (a draw by `self.sampler` too), each with its own output buffers;
         # two graphs each (front, rest) where the step splits at the first PLE layer, else one.
         first_ple = min(cfg.ple, default=0)
-        self.split: int | None = first_ple if split and first_ple > 0 else None
+        self.split: int | None = first_ple if split and first_ple > 0 and self.tables is None else None
         self.graphs: dict[str, tuple[torch.cuda.CUDAGraph, ...]] = {}
         self._carry: dict[str, Carry] = {}  # the front graph's outputs, which the rest reads
         # recorded after the last copy or replay that reads the page-locked buffer
         self._copied: torch.cuda.Event | None = None
         self.outs: dict[str, tuple[torch.Tensor, ...]] = {}
         self._sampler = None
+
+    def _device_tables(self, want: bool | None) -> dict[int, tuple[torch.Tensor, NgramTables]] | None:
+        """Each PLE layer's table rows as one uint8 tensor on the model's device with its hashing geometry, where
+        the step is to gather them itself (`want`, or by default wherever that is possible on a CUDA device)."""
+        m = self.model
+        if want is False or not m.cfg.ple or (want is None and m.device.type != "cuda"):
+            return None
+        out = {}
+        for i in m.cfg.ple:
+            table = m.w[f"L{i}.ple.table"]
+            rows = raw_rows(table)
+            if rows is not None and rows.is_contiguous() and rows.dim() == 2:
+                rows = rows.view(torch.uint8)
+            if rows is None or rows.device != m.device or rows.dim() != 2 or not rows.is_contiguous():
+                if want:
+                    where = "not one contiguous tensor" if rows is None else f"on {rows.device}"
+                    raise StrataError(f"{table.name}: a step that gathers its PLE rows on {m.device} needs the "
+                                      f"table's rows in that device's memory; they are {where} (--ple-table device)")
+                return None
+            out[i] = (rows, NgramTables.of(m.cfg.ple[i], m.cfg, m.device))
+        return out
+
+    def _gather_rows(self) -> None:
+        """The token's PLE rows gathered on the device from the histories the host staged."""
+        for i, (rows, geo) in (self.tables or {}).items():
+            out = self.inputs.ple[i]
+            self.model.ops.ple_gather(self._hist[i], rows, geo, out.view(torch.uint8).view(out.shape[1], -1))
 
     def _stored_row_form(self, layer: int) -> torch.Tensor:
         """A (1, ngram_heads, width) tensor of the PLE table's stored row form (row 0 of every head): the
@@ -147,8 +194,10 @@ class DecodeStep:
         return self._sampler
 
     def _front(self) -> Carry:
-        """The layers before the split (none when the step does not split)."""
+        """The layers before the split (none when the step does not split), after the PLE gathers where the
+        device does them."""
         m = self.model
+        self._gather_rows()
         return m.run_layers(m.begin(self.inputs), self.inputs, self.state, 0, self.split or 0, static=True)
 
     def _rest(self, carry: Carry, kind: str) -> tuple[torch.Tensor, ...]:
@@ -170,6 +219,13 @@ class DecodeStep:
         if self._copied is not None:
             self._copied.synchronize()
 
+    def _stage_ple(self, token: int) -> int:
+        """The token's host work into the page-locked buffer (its PLE rows, or where the device gathers them its
+        n-gram histories), the state advanced; returns the token's position."""
+        if self.tables is None:
+            return self.model.stage_token(token, self.state, self._host_ple)
+        return self.model.stage_history(token, self.state, self._host_ple)
+
     def _copy(self) -> None:
         """The page-locked buffer copied to the static inputs asynchronously (the eager step and the first,
         capturing call; the graphs copy it themselves)."""
@@ -182,7 +238,7 @@ class DecodeStep:
         copy)."""
         self._ready()
         self._host_ints[0] = token
-        self._host_ints[1] = self.model.stage_token(token, self.state, self._host_ple)
+        self._host_ints[1] = self._stage_ple(token)
         self._copy()
 
     def _run(self, token: int, kind: str, phases: dict[str, float] | None = None, record: bool = True,
@@ -205,7 +261,7 @@ class DecodeStep:
         t = _lap(phases, "ready", t)
         self._host_ints[0] = token
         if len(graphs) == 1:
-            self._host_ints[1] = self.model.stage_token(token, self.state, self._host_ple)
+            self._host_ints[1] = self._stage_ple(token)
             t = _lap(phases, "stage", t)
             graphs[0].replay()
             t = _lap(phases, "replay", t)

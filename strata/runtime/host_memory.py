@@ -12,7 +12,10 @@ the table's size in RAM, and seconds to minutes at load. For the synthetic model
 The pages are not locked: under memory pressure the kernel may still drop some, and their rows fault again.
 
 Modes (`strata generate --ple-table`, `Engine(ple_table=...)`): "resident" holds the tables, "mapped" leaves them
-to the page faults, "auto" (the default) holds them where they fit in the memory the system reports available.
+to the page faults, "auto" (the default) holds them where they fit in the memory the system reports available,
+"device" copies them into the GPU's memory (`tables_to_device`; a GPU with room beside the model, e.g. an H200's
+for the real model's 27 GB), where the decode step hashes each token's n-grams and gathers its rows itself
+(`strata.runtime.graph.DecodeStep`): no host work but a few integers per token, and one graph per step.
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ import sys
 from collections.abc import Iterator
 
 import numpy as np
+import torch
 
 from strata.errors import StrataError
+from strata.weights.quant_tensor import QuantTensor
 from strata.weights.schema import Weights
-from strata.weights.tensor import StoredTensor
+from strata.weights.tensor import DenseTensor, StoredTensor, raw_rows
 
-PLE_TABLE_MODES = ("auto", "resident", "mapped")
+PLE_TABLE_MODES = ("auto", "resident", "mapped", "device")
 AUTO_FRACTION = 0.8  # "auto" holds the tables when they take at most this share of the available memory
 CHUNK_BYTES = 256 << 20  # populated per call, so a progress bar moves and a failure names where
 MADV_POPULATE_READ = 22  # <linux/mman.h>; Python's mmap module does not name it before 3.13
@@ -118,11 +123,63 @@ def check_mode(mode: str) -> None:
         raise StrataError(f"ple_table must be one of {', '.join(PLE_TABLE_MODES)}, got {mode!r}")
 
 
+def one_tensor(t: StoredTensor, device: torch.device, progress=None) -> StoredTensor:  # noqa: ANN001
+    """A 2-D table (row shards or one tensor) as one contiguous tensor on `device`, copied in pieces of at most
+    CHUNK_BYTES (`progress(bytes)` after each): the form a device-side row gather reads (`raw_rows`)."""
+    parts = list(getattr(t, "parts", None) or [t])
+    raws = [raw_rows(p) for p in parts]
+    kinds = {(type(p), p.kind, getattr(p, "type_id", None), r.dtype if r is not None else None)
+             for p, r in zip(parts, raws, strict=True)}
+    if any(r is None or r.dim() != 2 for r in raws) or len(kinds) != 1:
+        raise StrataError(f"{t.name}: --ple-table device needs the table as 2-D row shards of one storage type; "
+                          f"it is {', '.join(sorted({p.kind for p in parts}))} in {len(parts)} part(s)")
+    out = torch.empty(t.shape[0], raws[0].shape[1], dtype=raws[0].dtype, device=device)
+    row = 0
+    for r in raws:
+        step = max(1, CHUNK_BYTES // max(1, r.shape[1] * r.element_size()))
+        for a in range(0, r.shape[0], step):
+            piece = r[a:a + step]
+            out[row + a:row + a + piece.shape[0]].copy_(piece)
+            if progress is not None:
+                progress(piece.numel() * piece.element_size())
+        row += r.shape[0]
+    if isinstance(parts[0], DenseTensor):
+        return DenseTensor(t.name, out)
+    return QuantTensor(t.name, out, parts[0].type_id, tuple(t.shape))
+
+
+def tables_to_device(w: Weights, device: torch.device | str, progress: bool = False) -> Weights:
+    """w with every PLE table as one tensor in `device`'s memory (`one_tensor`), refusing, before any copy, a
+    device that is not a GPU or has too little free memory for them."""
+    device = torch.device(device)
+    tables = {name: t for name, t in w.tensors.items() if name.endswith("ple.table")}
+    if not tables:
+        return w
+    need = sum(t.nbytes for t in tables.values())
+    if device.type != "cuda":
+        raise StrataError(f"--ple-table device keeps the PLE tables in a GPU's memory; the model runs on {device}")
+    free, _ = torch.cuda.mem_get_info(device)
+    if need > free:
+        raise StrataError(f"--ple-table device: the PLE tables need {need / 2**30:.1f} GiB on {device}, "
+                          f"{free / 2**30:.1f} GiB is free beside the model; use --ple-table resident or mapped")
+    from tqdm import tqdm
+
+    tensors = dict(w.tensors)
+    with tqdm(total=need, desc="PLE tables to the GPU", unit="B", unit_scale=True, disable=not progress,
+              leave=False) as bar:
+        for name, t in tables.items():
+            tensors[name] = one_tensor(t, device, bar.update)
+    return Weights(w.cfg, tensors, w.gdn_value_order, w.source, w.unknown)
+
+
 def plan(w: Weights, mode: str = "auto") -> tuple[str, int, int | None]:
     """What `hold_ple_tables(w, mode)` would do, without doing it: ("resident" | "mapped" | "none", the host
     tables' bytes, `available_bytes()`). "auto" holds them when their bytes are at most AUTO_FRACTION of the
     available memory (unknown: held)."""
     check_mode(mode)
+    if mode == "device":
+        total = sum(t.nbytes for t in ple_tables(w))
+        return ("device" if total else "none"), total, available_bytes()
     total = sum(a.nbytes for t in ple_tables(w) for a in host_arrays(t))
     avail = available_bytes()
     if total == 0:
