@@ -155,7 +155,9 @@ class DecodeStep:
             rows = raw_rows(table)
             if rows is not None and rows.is_contiguous() and rows.dim() == 2:
                 rows = rows.view(torch.uint8)
-            if rows is None or rows.device != m.device or rows.dim() != 2 or not rows.is_contiguous():
+            on_device = rows is not None and rows.device.type == m.device.type and (
+                m.device.index is None or rows.device.index in (None, m.device.index))
+            if not on_device or rows.dim() != 2 or not rows.is_contiguous():
                 if want:
                     where = "not one contiguous tensor" if rows is None else f"on {rows.device}"
                     raise StrataError(f"{table.name}: a step that gathers its PLE rows on {m.device} needs the "
