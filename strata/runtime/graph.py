@@ -101,9 +101,8 @@ class DecodeStep:
         # The static inputs are views of one device buffer, filled from one page-locked buffer of the same layout
         # by one copy per token: the id and the position (int64), then each PLE layer's stored rows (or, where the
         # device gathers them, its n-gram history: n int64).
-        forms = {i: self._stored_row_form(i) for i in cfg.ple}
-        if self.tables is not None:
-            forms = {i: torch.zeros(cfg.ngram_size, dtype=torch.int64) for i in cfg.ple}
+        forms = ({i: self._stored_row_form(i) for i in cfg.ple} if self.tables is None
+                 else {i: torch.zeros(cfg.ngram_size, dtype=torch.int64) for i in cfg.ple})
         offsets, size = {}, 16
         for i, f in forms.items():
             offsets[i] = size
