@@ -175,7 +175,8 @@ def tables_to_device(w: Weights, device: torch.device | str, progress: bool = Fa
 def plan(w: Weights, mode: str = "auto") -> tuple[str, int, int | None]:
     """What `hold_ple_tables(w, mode)` would do, without doing it: ("resident" | "mapped" | "none", the host
     tables' bytes, `available_bytes()`). "auto" holds them when their bytes are at most AUTO_FRACTION of the
-    available memory (unknown: held)."""
+    available memory (unknown: held). "device" (`tables_to_device`, done by the caller) gives ("device", all the
+    tables' bytes, ...)."""
     check_mode(mode)
     if mode == "device":
         total = sum(t.nbytes for t in ple_tables(w))
