@@ -3,7 +3,8 @@
 # of need (what a run cut short wrote still comes back): the GPU checks of the kernels changed since the last H200
 # run (the bit-for-bit PDL check; with FIXTURES, a copy of ../shared/fixtures/qwen4exp-tiny carried into the tree,
 # the model check against the CPU reference), the decode bench at 4K and 128K (the 128K state does not
-# fit an H100 beside the model; the PLE table held in memory, --ple-table auto), the host's PLE row gather by page
+# fit an H100 beside the model; the PLE table held in memory, --ple-table auto; then with the tables in the GPU's
+# memory, --ple-table device, where the step hashes and gathers the rows itself), the host's PLE row gather by page
 # mapping (tools/host_pages_lab.py), then the routed GLU's stacks and the head as stored (tile-major) against their
 # row-major twins in the 4K step (tools/step_variants.py row-major:T), and the routed-expert launches alone
 # (tools/moe_lab.py). Writes JSON under OUT (default ./device-out), named as bench/results names them. ~8 minutes.
@@ -28,6 +29,10 @@ fi
 echo "== decode bench (synthetic real geometry, 4K and 128K)"
 python -m strata.cli.main bench --contexts 4096,131072 --no-stages --profile --timeline --commit "$commit" \
     --out "$out/synthetic-decode-$commit.json" 2>&1 | quiet | grep -E "ms/token|layer \(|Error"
+echo "(exit ${PIPESTATUS[0]})"
+echo "== decode bench with the PLE tables in the GPU's memory (--ple-table device: the step gathers its rows)"
+python -m strata.cli.main bench --contexts 4096,131072 --no-stages --ple-table device --commit "$commit" \
+    --out "$out/synthetic-decode-ple-device-$commit.json" 2>&1 | quiet | grep -E "ms/token|Error"
 echo "(exit ${PIPESTATUS[0]})"
 python tools/host_pages_lab.py --tokens 1000 --out "$out/host-pages-$commit.json" 2>&1 | quiet
 echo "== tile-major against row-major in the 4K step"
