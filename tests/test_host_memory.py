@@ -120,6 +120,8 @@ def test_inspect_shows_the_plan(capsys):
 
     assert main(["inspect", "--ple-table", "mapped"]) == 0
     assert "--ple-table mapped: mapped" in capsys.readouterr().out
+    assert main(["inspect", "--ple-table", "device"]) == 0
+    assert "--ple-table device: copied into the GPU's memory" in capsys.readouterr().out
 
 
 def test_device_mode_refuses_a_cpu_or_a_full_gpu_before_copying(monkeypatch):

@@ -44,7 +44,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"parameters {report['params_total']:,} total, {report['params_active_per_token']:,} active per token")
     print(f"memory     weights {_gb(report['bytes_total'])}; one token reads {_gb(report['bytes_per_token'])}; "
           f"state at {context} tokens {_gb(st)}")
-    if decided != "none":
+    if decided == "device":
+        print(f"ple table  {_gb(table_bytes)}; --ple-table device: copied into the GPU's memory at load (it must fit "
+              "beside the model)")
+    elif decided != "none":
         have = f"{_gb(avail)} available" if avail is not None else "available memory unknown"
         print(f"ple table  {_gb(table_bytes)} in host memory; --ple-table {args.ple_table}: {decided} ({have})")
     print(f"\n{'role':<20}{'params':>16}{'bytes':>16}{'bytes/token':>16}  storage types")
