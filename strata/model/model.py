@@ -71,22 +71,17 @@ class Model:
             ple = {i: e.to(self.device) for i, e in ple.items()}
         return StepInputs(ids, positions, state.length, ple)
 
-    def stage_token(self, token: int, state: SequenceState, ple_out: dict[int, torch.Tensor | np.ndarray]) -> int:
+    def stage_token(self, token: int, state: SequenceState, ple_out: dict[int, torch.Tensor | np.ndarray],
+                    history: bool = False) -> int:
         """`stage` of one id for a caller with its own host buffers: each PLE layer's stored rows written into
-        `ple_out[layer]` (ngram_heads, row width; or the uint8 numpy array of its bytes). Advances the state like
-        `stage`; returns the id's position."""
+        `ple_out[layer]` (ngram_heads, row width; or the uint8 numpy array of its bytes), or with `history` (a
+        step that hashes and gathers on the device, `Ops.ple_gather`) the id's n-gram history ((n,) int64: its
+        context, then the id). Advances the state like `stage`; returns the id's position."""
         for i, s in state.ple.items():
-            ple_rows_into(token, self.w, i, self.cfg, s, ple_out[i])
-        state.length += 1
-        state.tokens.append(token)
-        return state.length - 1
-
-    def stage_history(self, token: int, state: SequenceState, hist_out: dict[int, np.ndarray]) -> int:
-        """`stage_token` for a step that hashes and gathers on the device (`Ops.ple_gather`): each PLE layer's
-        n-gram history of the id (its context, then the id; (n,) int64) written into `hist_out[layer]`. Advances
-        the state like `stage`; returns the id's position."""
-        for i, s in state.ple.items():
-            ple_hist_into(token, s, hist_out[i])
+            if history:
+                ple_hist_into(token, s, ple_out[i])
+            else:
+                ple_rows_into(token, self.w, i, self.cfg, s, ple_out[i])
         state.length += 1
         state.tokens.append(token)
         return state.length - 1

@@ -32,12 +32,12 @@ def shifted_history(history: torch.Tensor, shift: int, eos: int) -> torch.Tensor
     if shift == 0:
         return history
     n = history.shape[0]
-    pos = torch.arange(n)
+    pos = torch.arange(n, device=history.device)
     eos_at = torch.where(history == eos, pos, -1)
-    last_eos_before = torch.cat([torch.tensor([-1]), torch.cummax(eos_at, 0).values[:-1]])
+    last_eos_before = torch.cat([torch.full_like(pos[:1], -1), torch.cummax(eos_at, 0).values[:-1]])
     src = pos - shift
     valid = (src >= 0) & (src > last_eos_before)
-    return torch.where(valid, history[src.clamp_min(0)], torch.tensor(eos))
+    return torch.where(valid, history[src.clamp_min(0)], eos)
 
 
 def _i64(v: int) -> int:
@@ -70,14 +70,19 @@ def ngram_rows_one(token: int, context: list[int], geo: PLEGeometry, cfg: ModelC
 
 def ngram_rows(ids: torch.Tensor, context: torch.Tensor, geo: PLEGeometry, cfg: ModelConfig) -> torch.Tensor:
     """Table rows (L, ngram_heads) for the ids, given the previous n-1 ids."""
-    n, hpn, eos = cfg.ngram_size, cfg.heads_per_ngram, cfg.ple_eos
-    if ids.numel() == 1 and context.numel() == n - 1:
+    if ids.numel() == 1 and context.numel() == cfg.ngram_size - 1:
         return torch.tensor([ngram_rows_one(int(ids.reshape(-1)[0]), context.tolist(), geo, cfg)])
     hist = torch.cat([context, ids.to(torch.int64).cpu()])
-    shifted = [shifted_history(hist, k, eos) for k in range(n)]
-    mult = geo.multipliers
-    primes = torch.tensor(geo.primes, dtype=torch.int64)
-    offsets = torch.tensor(geo.offsets, dtype=torch.int64)
+    return ngram_hash_rows(hist, NgramTables.of(geo, cfg, "cpu"))
+
+
+def ngram_hash_rows(hist: torch.Tensor, tables: NgramTables) -> torch.Tensor:
+    """Table rows (len(hist) - n + 1, ngram_heads) of the n-grams ending at hist[n - 1:], in tensor ops on
+    hist's device (no host synchronisation, so a captured step can run it): ids older than an EOS (the id itself
+    excepted) hash as EOS; products wrap around int64; the remainder is taken non-negative."""
+    n, hpn = tables.multipliers.numel(), tables.heads_per_ngram
+    shifted = [shifted_history(hist, k, tables.eos) for k in range(n)]
+    mult, primes, offsets = tables.multipliers, tables.primes, tables.offsets
     blocks = []
     for m in range(2, n + 1):
         h = shifted[0] * mult[0]
@@ -103,9 +108,14 @@ def ple_rows_into(token: int, w: Weights, layer: int, cfg: ModelConfig, state: P
     numpy gather, with no tensor op."""
     ctx = state.context.numpy()  # the context's memory: advanced in place, without building a tensor
     rows = ngram_rows_one(token, ctx.tolist(), cfg.ple[layer], cfg)
+    _advance(ctx, token)
+    w[f"L{layer}.ple.table"].stored_rows_into(rows, out)
+
+
+def _advance(ctx: np.ndarray, token: int) -> None:
+    """The n-gram context (the memory of `PLEState.context`) moved on by one id, in place."""
     ctx[:-1] = ctx[1:]  # numpy copies overlapping ranges as if through a temporary
     ctx[-1] = token
-    w[f"L{layer}.ple.table"].stored_rows_into(rows, out)
 
 
 @dataclass(frozen=True)
@@ -133,30 +143,14 @@ def ple_hist_into(token: int, state: PLEState, out: np.ndarray) -> None:
     ctx = state.context.numpy()
     out[:-1] = ctx
     out[-1] = token
-    ctx[:-1] = ctx[1:]
-    ctx[-1] = token
+    _advance(ctx, token)
 
 
 def ple_gather_ref(hist: torch.Tensor, table: torch.Tensor, tables: NgramTables, out: torch.Tensor) -> None:
-    """`ngram_rows_one` and `StoredTensor.stored_rows_into` in tensor ops on the table's device (no host
-    synchronisation, so a captured step can run it): hist (n,) int64 the context and the id, table (rows, row
-    bytes) uint8 the stored rows, out (heads, row bytes) uint8. Ids older than an EOS (the id itself excepted)
-    hash as EOS; the row of head j of order m is h_m % prime_j + offset_j (the remainder taken non-negative)."""
-    n = hist.numel()
-    back = hist.flip(0)  # back[k]: the id k back
-    eos = torch.full_like(back, tables.eos)
-    # live[k]: no EOS among the ids 1 .. k-1 back (the current id's own EOS does not count)
-    dead = torch.cumsum((back == tables.eos) & (torch.arange(n, device=hist.device) > 0), 0)
-    live = torch.cat([torch.zeros(1, dtype=dead.dtype, device=hist.device), dead[:-1]]) == 0
-    prods = torch.where(live, back, eos) * tables.multipliers
-    acc = prods[0]
-    orders = []
-    for k in range(1, n):
-        acc = torch.bitwise_xor(acc, prods[k])
-        orders.append(acc)
-    hashes = torch.stack(orders).repeat_interleave(tables.heads_per_ngram)  # (heads,): head j has order j // hpn + 1
-    rows = torch.remainder(hashes, tables.primes) + tables.offsets
-    out.copy_(table.index_select(0, rows))
+    """The rows of the n-grams ending at hist's last id (`ngram_hash_rows`) gathered as stored, on the table's
+    device: hist (n,) int64 the context and the id, table (rows, row bytes) uint8 the stored rows, out (heads,
+    row bytes) uint8."""
+    out.copy_(table.index_select(0, ngram_hash_rows(hist, tables)[-1]))
 
 
 def decode_rows_ref(stored: torch.Tensor, table: StoredTensor, dtype: torch.dtype) -> torch.Tensor:

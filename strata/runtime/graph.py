@@ -223,9 +223,7 @@ class DecodeStep:
     def _stage_ple(self, token: int) -> int:
         """The token's host work into the page-locked buffer (its PLE rows, or where the device gathers them its
         n-gram histories), the state advanced; returns the token's position."""
-        if self.tables is None:
-            return self.model.stage_token(token, self.state, self._host_ple)
-        return self.model.stage_history(token, self.state, self._host_ple)
+        return self.model.stage_token(token, self.state, self._host_ple, history=self.tables is not None)
 
     def _copy(self) -> None:
         """The page-locked buffer copied to the static inputs asynchronously (the eager step and the first,
