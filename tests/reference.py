@@ -103,6 +103,19 @@ def assert_decodes_match(ref, fast, ids: list[int], prompt: int, capacity: int |
         assert rel(static_logits(fast, ids, prompt, capacity), static_logits(ref, ids, prompt, capacity)) < tol
 
 
+def with_device_tables(model):
+    """`model` (a strata Model) with each PLE table's stored rows as one tensor on its device, as
+    `--ple-table device` leaves them on a GPU: a decode step of it can hash and gather its rows itself."""
+    from strata.model.model import Model
+    from strata.runtime.host_memory import one_tensor
+    from strata.weights.schema import Weights
+
+    w = model.w
+    tensors = {n: one_tensor(t, model.device) if n.endswith("ple.table") else t for n, t in w.tensors.items()}
+    return Model(Weights(w.cfg, tensors, w.gdn_value_order, w.source, w.unknown), model.dtype, model.device,
+                 model.ops)
+
+
 def count_calls(monkeypatch, targets: dict) -> dict:
     """Count the calls of module functions: targets maps a key to (module, function name); returns the live
     counts by key (each function is patched to count, then call through)."""

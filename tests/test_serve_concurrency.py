@@ -101,3 +101,36 @@ def test_disconnects_cancel_and_free_the_slot(chat_llm: LLM) -> None:  # noqa: F
                        timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         assert time.monotonic() - t0 < 5
+
+
+def test_a_job_decoding_ahead_is_counted_and_cancellable() -> None:
+    """A job's ids decoded ahead (`Engine.decode_ahead`) are counted as generated, a cancel stops them before the
+    next id is taken (closing the engine's generator), and a steer hook, which needs the logits, gets none."""
+    import pytest
+
+    from strata.serve.scheduler import Cancelled, _JobEngine
+
+    closed = []
+
+    class Engine:
+        def decode_ahead(self, token, state, draw=None):  # noqa: ANN001, ANN202
+            def ids():
+                try:
+                    yield from range(token + 1, token + 100)
+                finally:
+                    closed.append(True)
+            return ids()
+
+    class Job:
+        def __init__(self) -> None:
+            self.cancel_event = threading.Event()
+            self.generated = 0
+
+    job = Job()
+    ids = _JobEngine(Engine(), job, cache=None, steer=None).decode_ahead(10, state=None)
+    assert [next(ids), next(ids), next(ids)] == [11, 12, 13] and job.generated == 3
+    job.cancel_event.set()
+    with pytest.raises(Cancelled):
+        next(ids)
+    assert closed == [True] and job.generated == 3
+    assert _JobEngine(Engine(), Job(), cache=None, steer=lambda *a: None).decode_ahead(10, state=None) is None

@@ -58,13 +58,7 @@ def test_device_ple_gather_equals_host_staging(engine):
 def assert_device_gather_equals_host(model, cfg) -> None:  # noqa: ANN001 - a Model and its config
     """The model's step with its PLE tables as one tensor each (`--ple-table device` on a GPU; on the CPU here)
     gathering on its device, against the host-staged step of the model as given."""
-    from strata.model.model import Model
-    from strata.runtime.host_memory import one_tensor
-    from strata.weights.schema import Weights
-
-    w = model.w
-    tensors = {n: one_tensor(t, model.device) if n.endswith("ple.table") else t for n, t in w.tensors.items()}
-    one = Model(Weights(w.cfg, tensors, w.gdn_value_order, w.source, w.unknown), model.dtype, model.device, model.ops)
+    one = reference.with_device_tables(model)
     ids = torch.randint(2, cfg.vocab_size, (14,), generator=torch.Generator().manual_seed(7))
     ids[6] = ids[9] = cfg.ple_eos
     outs = []

@@ -15,6 +15,7 @@ from strata import LLM, SamplingParams
 from strata.cli.main import main
 from strata.errors import StrataError
 from strata.runtime.engine import DEFAULT_MODEL, Engine
+from strata.runtime.graph import DecodeStep
 from tests.conftest import FIXTURES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -255,14 +256,44 @@ def test_greedy_choice_inside_the_static_step_equals_host_sampling(fixtures_dir:
     static = LLM(fixtures_dir / "hf")
     static.engine = Engine.load(fixtures_dir / "hf", graphs=True, context=len(prompt) + 16)
     chosen = []
-    real = Engine.decode_token
-    monkeypatch.setattr(Engine, "decode_token", lambda self, *a, **k: (chosen.append(1), real(self, *a, **k))[1])
+    real = DecodeStep.next_token_id
+    monkeypatch.setattr(DecodeStep, "next_token_id", lambda self, *a, **k: (chosen.append(1), real(self, *a, **k))[1])
     greedy = SamplingParams(max_tokens=12, greedy=True)
     want = host.generate(prompt, greedy).token_ids
     chosen.clear()
     assert static.generate(prompt, greedy).token_ids == want
-    assert len(chosen) == 11  # every decode step chose on the device
+    assert len(chosen) == 11  # every decode step chose on the device (one by one: the host stages PLE rows)
     chosen.clear()
     penalised = SamplingParams(max_tokens=6, greedy=True, repetition_penalty=1.3)
     assert static.generate(prompt, penalised).token_ids == host.generate(prompt, penalised).token_ids
     assert not chosen
+
+
+def test_generation_runs_ahead_where_the_step_feeds_itself(fixtures_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the captured step can advance its own inputs (here: the PLE tables as one tensor each on the model's
+    device, as `--ple-table device` leaves them on a GPU), a greedy generation takes its ids from
+    `DecodeStep.ids_ahead`: the same ids as the host path, and the state holds the last generated id too (the
+    step that fed it ran while the host read it), so a chat's next turn still continues it."""
+    import functools
+
+    from strata.runtime import graph
+    from tests import reference
+
+    prompt = json.loads((fixtures_dir / "prompt.json").read_text())["ids"]
+    host = LLM(fixtures_dir / "hf")
+    ahead = LLM(fixtures_dir / "hf")
+    ahead.engine = Engine.load(fixtures_dir / "hf", graphs=True, context=len(prompt) + 40)
+    ahead.engine.model = reference.with_device_tables(ahead.engine.model)
+    monkeypatch.setattr(DecodeStep, "__init__", functools.partialmethod(DecodeStep.__init__, ple_gather=True))
+    calls = reference.count_calls(monkeypatch, {"feed": (graph, "feed"), "one_by_one": (DecodeStep, "next_token_id")})
+    greedy = SamplingParams(max_tokens=12, greedy=True)
+    want = host.start(prompt, greedy).run()
+    got = ahead.start(prompt, greedy).run()
+    assert got.token_ids == want.token_ids and got.finish_reason == "length"
+    # the first decode is staged by the host; each of the 11 ids after it was fed by a step run ahead
+    assert calls == {"feed": 11, "one_by_one": 0}
+    assert got.state.tokens == [*prompt, *got.token_ids] and want.state.tokens == [*prompt, *want.token_ids[:-1]]
+    turn = [*got.state.tokens, 7, 8]
+    again = ahead.start(turn, SamplingParams(max_tokens=3, greedy=True), state=got.state).run()
+    assert again.timings.cached_tokens == len(turn) - 2 and again.token_ids == host.generate(
+        turn, SamplingParams(max_tokens=3, greedy=True)).token_ids

@@ -3,7 +3,8 @@
 For each model (the fixture HF checkpoint and GGUF files when present, and tiny random configs): the GPU
 path (Triton kernels, float32 compute) against the CPU reference path (float32): prefill and decode logits
 within a tolerance, greedy tokens equal; the captured decode step equals the uncaptured one exactly, and so does
-the step that gathers its PLE rows on the GPU (`--ple-table device`) the host-staged one.
+the step that gathers its PLE rows on the GPU (`--ple-table device`) the host-staged one, and the steps run ahead
+of the host (`DecodeStep.ids_ahead`) the steps that read each id before the next.
 `--activations q8` runs both sides in the Q8-activation mode (the GPU's `gemv_q8x` kernels against the CPU's
 `linear_q8_ref`). The mode is discontinuous: an input within a few fp32 ulps of a rounding boundary lands on the
 other integer on the two sides, a step of 1/127 of its run's largest value, so on the quantized fixture GGUFs two
@@ -84,12 +85,13 @@ def compare(path: str, ids: list[int], steps: int = 16, activations: str = "floa
     b2 = graph.step(int(b.argmax())).clone()
     captured_equal = bool(torch.equal(a, b) and torch.equal(a2, b2))
     ple_device_equal = ple_device_equals_host(w, ids, activations, [b, b2]) if gpu.cfg.ple else None
+    ahead_equal = ahead_equals_one_by_one(w, ids, activations)
     return {"model": path, "activations": activations, "tokens": len(ids), "prefill_rel_err": prefill_err,
             "decode_rel_err": dec_err, "mode_rel_diff": mode_diff, "jitter_spread": spread, "tolerance": tol,
             "greedy_equal": seq_c == seq_g, "captured_equals_uncaptured": captured_equal,
-            "ple_device_equals_host": ple_device_equal,
+            "ple_device_equals_host": ple_device_equal, "ahead_equals_one_by_one": ahead_equal,
             "ok": prefill_err < tol and dec_err < tol and seq_c == seq_g and captured_equal
-            and ple_device_equal is not False}
+            and ple_device_equal is not False and ahead_equal}
 
 
 def ple_device_equals_host(w, ids: list[int], activations: str, host: list[torch.Tensor]) -> bool:
@@ -104,6 +106,39 @@ def ple_device_equals_host(w, ids: list[int], activations: str, host: list[torch
     got = [step.step(ids[-1]).clone()]
     got.append(step.step(int(got[0].argmax())).clone())
     return all(torch.equal(x, y) for x, y in zip(got, host, strict=True))
+
+
+def ahead_equals_one_by_one(w, ids: list[int], activations: str, tokens: int = 12) -> bool:
+    """The captured steps run ahead of the host (`DecodeStep.ids_ahead`: each step's inputs fed on the device
+    from the previous choice; the PLE tables in the GPU's memory where the model has them) choose the ids that
+    the captured step chooses one id at a time, greedy and by a seeded device draw, and leave the same state:
+    the logits of one more step, after the one-by-one step is fed the last id too, are equal bit for bit."""
+    gpu = Engine(w, "float32", "cuda", activations=activations, ple_table="device" if w.cfg.ple else "auto")
+    for sampled in (False, True):
+        seqs, nexts = [], []
+        for ahead in (False, True):
+            step = DecodeStep(gpu.model, capacity=len(ids) + tokens + 8, capture=True)
+            if not step.can_run_ahead:
+                raise AssertionError("the captured step cannot feed itself")
+            if sampled:
+                step.sampler.configure(0.9, 20, 0.95, 0.0, 5)
+            step.prefill(torch.tensor(ids[:-1]))
+            if ahead:
+                gen = step.ids_ahead(ids[-1], sampled)
+                got = [next(gen) for _ in range(tokens)]
+                gen.close()
+            else:
+                got, tok = [], ids[-1]
+                for _ in range(tokens):
+                    tok = step.next_token_id(tok, sampled)
+                    got.append(tok)
+                step.step(got[-1])
+            seqs.append(got)
+            nexts.append(step.step(7).clone())
+            del step
+        if seqs[0] != seqs[1] or not torch.equal(*nexts):
+            return False
+    return True
 
 
 def jitter_spread(w, ids: list[int], tokens: list[int], ref_prefill: torch.Tensor, ref_decode: torch.Tensor,
@@ -181,7 +216,7 @@ def main() -> int:
             rows.append({"model": m, "ok": False, "error": f"{type(e).__name__}: {e}",
                          "trace": traceback.format_exc()[-2000:]})
     print(f"{'model':<48}{'prefill':>10}{'decode':>10}{'tolerance':>11}{'greedy':>8}{'graph==eager':>14}"
-          f"{'ple device':>12}"
+          f"{'ple device':>12}{'ahead':>7}"
           + (f"{'q8 vs float':>13}{'jitter':>10}" if args.activations != "float" else ""))
     for r in rows:
         if "error" in r:
@@ -189,7 +224,7 @@ def main() -> int:
         else:
             print(f"{Path(r['model']).name:<48}{r['prefill_rel_err']:>10.2e}{r['decode_rel_err']:>10.2e}"
                   f"{r['tolerance']:>11.1e}{str(r['greedy_equal']):>8}{str(r['captured_equals_uncaptured']):>14}"
-                  f"{str(r.get('ple_device_equals_host')):>12}"
+                  f"{str(r.get('ple_device_equals_host')):>12}{str(r.get('ahead_equals_one_by_one')):>7}"
                   + (f"{r['mode_rel_diff']:>13.2e}" if r.get("mode_rel_diff") is not None else "")
                   + (f"{r['jitter_spread']:>10.2e}" if r.get("jitter_spread") is not None else ""))
     if args.out:

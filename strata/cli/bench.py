@@ -119,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
         r["fraction_of_floor"] = r["floor_ms"] / r["ms_per_token"]
         r["peak_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
         report["decode"].append(r)
-        print(f"ctx {ctx:>7}: {r['ms_per_token']:.3f} ms/token ({r['tok_per_s']:.1f} tok/s), floor "
+        mode = f"run ahead; one by one {r['one_by_one']['ms_per_token']:.3f}" if r["run_ahead"] else "one by one"
+        print(f"ctx {ctx:>7}: {r['ms_per_token']:.3f} ms/token ({mode}; {r['tok_per_s']:.1f} tok/s), floor "
               f"{r['floor_ms']:.3f} ms, {100 * r['fraction_of_floor']:.1f}% of floor; peak "
               f"{r['peak_memory_gib']:.1f} GiB; replay "
               f"{r['graph_replay_ms']:.3f} ms; host " + ", ".join(

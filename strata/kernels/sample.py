@@ -121,19 +121,22 @@ def argmax_supported(x: torch.Tensor) -> bool:
     return x.is_contiguous() and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.numel() > 0
 
 
-def argmax(x: torch.Tensor, block: int = ARGMAX_BLOCK) -> torch.Tensor:
+def argmax(x: torch.Tensor, block: int = ARGMAX_BLOCK, out: torch.Tensor | None = None) -> torch.Tensor:
     """`x.argmax()` (a 0-d int64 tensor: the first maximal element of the flattened x, NaN above everything) in
     one launch: per-block partial keys and a ticket (`gemv.tickets`), with no atomics on the result, so a
-    graph replay gives the eager call's index. x contiguous float; the decode step's greedy choice."""
+    graph replay gives the eager call's index. x contiguous float; the decode step's greedy choice. `out`: a
+    one-element int64 tensor to write the index into (returned)."""
     if not argmax_supported(x):
         raise ValueError(f"argmax: expected a non-empty contiguous float tensor, got {x.dtype} {tuple(x.shape)}")
+    if out is not None and (out.dtype != torch.int64 or out.numel() != 1 or out.device != x.device):
+        raise ValueError(f"argmax: out must be one int64 element on {x.device}, got {out.dtype} {tuple(out.shape)}")
     cnt = tickets(x.device)
     if cnt is None:
-        return x.argmax()
+        return x.argmax() if out is None else out.copy_(x.argmax().view(out.shape))
     V = x.numel()
     nblk = triton.cdiv(V, block)
     part = torch.empty(nblk, dtype=torch.int64, device=x.device)
-    out = torch.empty((), dtype=torch.int64, device=x.device)
+    out = torch.empty((), dtype=torch.int64, device=x.device) if out is None else out
     _argmax_kernel[(nblk,)](x, part, cnt, out, V, NBLK=nblk, NBP=triton.next_power_of_2(nblk), BLOCK=block,
                             **pdl.launch(x.device))
     return out

@@ -17,7 +17,7 @@ from strata.model.gdn import gdn_layer
 from strata.model.hyper import hc_read, hc_write_read
 from strata.model.moe import moe_layer
 from strata.model.ops import Ops
-from strata.model.ple import ple_hist_into, ple_layer, ple_rows, ple_rows_into
+from strata.model.ple import ple_advance, ple_hist_into, ple_layer, ple_rows, ple_rows_into
 from strata.model.qsa import Rope, qsa_layer
 from strata.runtime.state import SequenceState
 from strata.weights.schema import Weights
@@ -85,6 +85,14 @@ class Model:
         state.length += 1
         state.tokens.append(token)
         return state.length - 1
+
+    def fed(self, token: int, state: SequenceState) -> None:
+        """The host's record of an id a decode step fed itself on the device (`DecodeStep.ids_ahead`): the state
+        advanced as `stage_token` advances it, with nothing staged."""
+        for s in state.ple.values():
+            ple_advance(token, s)
+        state.length += 1
+        state.tokens.append(token)
 
     def run(self, inputs: StepInputs, state: SequenceState, static: bool = False) -> torch.Tensor:
         """Final hidden states (L, H); writes the device-side caches of `state`. `static` keeps every shape

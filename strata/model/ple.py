@@ -112,6 +112,11 @@ def ple_rows_into(token: int, w: Weights, layer: int, cfg: ModelConfig, state: P
     w[f"L{layer}.ple.table"].stored_rows_into(rows, out)
 
 
+def ple_advance(token: int, state: PLEState) -> None:
+    """The n-gram context moved on by one id the device fed itself (a step run ahead), writing no buffer."""
+    _advance(state.context.numpy(), token)
+
+
 def _advance(ctx: np.ndarray, token: int) -> None:
     """The n-gram context (the memory of `PLEState.context`) moved on by one id, in place."""
     ctx[:-1] = ctx[1:]  # numpy copies overlapping ranges as if through a temporary

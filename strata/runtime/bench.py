@@ -169,7 +169,7 @@ def _ready_step(model: Model, context: int, tokens: int, runs: int, seed: int, s
                 ) -> tuple[DecodeStep, int, float]:
     """A captured decode step at `context` (random state), warmed up: (step, next token, capture seconds)."""
     gen = torch.Generator(device=model.device).manual_seed(seed)
-    step = DecodeStep(model, capacity=context + tokens * (runs + 2) + 8, capture=True, split=split)
+    step = DecodeStep(model, capacity=context + tokens * (2 * runs + 2) + 8, capture=True, split=split)
     fill_state(step, context, gen)
     tok = 11
     t0 = time.perf_counter()
@@ -192,21 +192,29 @@ def profile_decode(model: Model, context: int, tokens: int = 64, runs: int = 3, 
 def bench_decode(model: Model, context: int, tokens: int = 64, runs: int = 3, seed: int = 0,
                  stage_table: bool = True, split: bool = True) -> dict:
     """Decode ms/token at `context` through the captured step (split at the first PLE layer unless `split` is
-    False), the host's share of a token, and the per-stage table. The kernel profiles are `profile_decode`'s."""
+    False) as a generation runs it (ahead of the host where the step can feed itself, `DecodeStep.ids_ahead`;
+    then also one id read before the next step, "one_by_one"), the host's share of a token, and the per-stage
+    table. The kernel profiles are `profile_decode`'s."""
     dev = model.device
     step, tok, capture_s = _ready_step(model, context, tokens, runs, seed, split)
-    per_token_ms, wall_ms = [], []
-    for _ in range(runs):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        w0 = time.perf_counter()
-        a.record()
-        for _ in range(tokens):
-            tok = step.next_token_id(tok)  # argmax in the graph; the host reads each token, as a stream does
-        b.record()
-        b.synchronize()
-        wall_ms.append((time.perf_counter() - w0) * 1e3 / tokens)
-        per_token_ms.append(a.elapsed_time(b) / tokens)
+    timed: dict[bool, tuple[list[float], list[float]]] = {}
+    for ahead in (True, False) if step.can_run_ahead else (False,):
+        per_token_ms, wall_ms = timed.setdefault(ahead, ([], []))
+        for _ in range(runs):
+            ids = step.ids_ahead(tok) if ahead else None
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            w0 = time.perf_counter()
+            a.record()
+            for _ in range(tokens):  # argmax in the graph; the host reads each token, as a stream does
+                tok = next(ids) if ids is not None else step.next_token_id(tok)
+            b.record()
+            b.synchronize()
+            wall_ms.append((time.perf_counter() - w0) * 1e3 / tokens)
+            per_token_ms.append(a.elapsed_time(b) / tokens)
+            if ids is not None:
+                ids.close()
+    per_token_ms, wall_ms = timed[step.can_run_ahead]
     # the host's share of a token: staging (hash, table rows, copies) with the replay calls, waiting for the token
     host = {"stage_and_replay_calls": 0.0, "token_wait": 0.0}
     phases: dict[str, float] = {}
@@ -231,7 +239,10 @@ def bench_decode(model: Model, context: int, tokens: int = 64, runs: int = 3, se
     out = {"context": context, "tokens_timed": tokens * runs, "ms_per_token": statistics.median(per_token_ms),
            "ms_per_token_runs": per_token_ms, "wall_ms_per_token": statistics.median(wall_ms),
            "graph_replay_ms": replay_ms, "graphs_per_step": len(step.graphs["logits"]), "capture_s": capture_s,
-           "host_ms_per_token": host}
+           "host_ms_per_token": host, "run_ahead": step.can_run_ahead}
+    if step.can_run_ahead:
+        out["one_by_one"] = {"ms_per_token": statistics.median(timed[False][0]), "ms_per_token_runs": timed[False][0],
+                             "wall_ms_per_token": statistics.median(timed[False][1])}
     out["tok_per_s"] = 1e3 / out["ms_per_token"]
     if stage_table:
         times = StageTimes()

@@ -15,12 +15,20 @@ launches the second graph, so neither the staging nor that launch is on the toke
 tables are in device memory (`--ple-table device`), the host writes each PLE layer's n-gram history (the context
 and the id) instead, the step's first launches hash it and gather the rows (`Ops.ple_gather`), and the step is
 one graph: a token's host work is a few integers and one replay call, whatever the host's speed.
+
+Such a one-graph step can also run ahead of the host (`ids_ahead`): a second graph per way of ending the step
+starts by advancing its own inputs on the device from the id the previous step chose (the id, the position +1,
+each n-gram history shifted by that id: `feed_ref`, one launch on a GPU), so the host launches the step for the
+next token before it reads the current one, and the GPU never waits for the host's read, its bookkeeping or the
+caller's use of the token. The cost: when the caller stops, the step for the last token read has already run, so
+the state holds that token too (`state.tokens` says so).
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -68,17 +76,39 @@ class DeviceDraw:
     seed: int = 0
 
 
-def greedy_token(logits: torch.Tensor) -> torch.Tensor:
-    """`logits.argmax()` (0-d int64), the last node of a greedy step: one Triton launch on a CUDA device
-    (`strata.kernels.sample.argmax`, the same index), torch's elsewhere. Torch's is a memset and a reduction
-    kernel, 11 us from the head's end in a profiled replay on an H200
+def greedy_token(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`logits.argmax()` (0-d int64; written into `out` where given), the last node of a greedy step: one Triton
+    launch on a CUDA device (`strata.kernels.sample.argmax`, the same index), torch's elsewhere. Torch's is a
+    memset and a reduction kernel, 11 us from the head's end in a profiled replay on an H200
     (bench/results/2026-12-04-h200-synthetic-decode-d60dd42.json, `replay_kernels.timeline`)."""
     if logits.is_cuda:
         from strata.kernels.sample import argmax, argmax_supported
 
         if argmax_supported(logits):
-            return argmax(logits)
-    return logits.argmax()
+            return argmax(logits, out=out)
+    return logits.argmax() if out is None else out.copy_(logits.argmax())
+
+
+def feed_ref(ints: torch.Tensor, token: torch.Tensor, starts: tuple[int, ...], n: int) -> None:
+    """A step run ahead advances its own inputs: `ints` (the step's static int64 inputs: the id, the position,
+    and from each of `starts` a PLE layer's n-gram history of n ids) gets `token` (one int64 element on the same
+    device: the id the previous step chose) as its id, the position + 1, and each history shifted by one with
+    `token` appended. In place, with no host synchronisation (capturable)."""
+    tok = token.reshape(())
+    for s in starts:
+        ints[s:s + n - 1] = ints[s + 1:s + n].clone()
+        ints[s + n - 1] = tok
+    ints[0] = tok
+    ints[1] += 1
+
+
+def feed(ints: torch.Tensor, token: torch.Tensor, starts: tuple[int, ...], n: int) -> None:
+    """`feed_ref`, in one Triton launch on a CUDA device (`strata.kernels.feed`)."""
+    if ints.is_cuda:
+        from strata.kernels.feed import feed as feed_kernel
+
+        return feed_kernel(ints, token, starts, n)
+    return feed_ref(ints, token, starts, n)
 
 
 class DecodeStep:
@@ -111,6 +141,8 @@ class DecodeStep:
         self._packed = torch.zeros(size, dtype=torch.uint8, device=dev)
         self._host = torch.zeros(size, dtype=torch.uint8, pin_memory=pin)
         self._host_ints = self._host[:16].view(torch.int64).numpy()  # [id, position], written without torch ops
+        self._ints = self._packed.view(torch.int64)  # the same inputs as int64: what a step run ahead advances
+        self._starts = tuple(offsets[i] // 8 for i in cfg.ple)  # each PLE layer's input in `_ints`
 
         def view(buf: torch.Tensor, i: int) -> torch.Tensor:
             f = forms[i]
@@ -125,7 +157,7 @@ class DecodeStep:
             ple = {i: self._stored_row_form(i).to(dev) for i in cfg.ple}
             self._hist = {i: view(self._packed, i) for i in cfg.ple}
             self._host_ple = {i: view(self._host, i).numpy() for i in cfg.ple}
-        self.inputs = StepInputs(ids=self._packed[0:8].view(torch.int64), positions=self._packed[8:16].view(torch.int64),
+        self.inputs = StepInputs(ids=self._ints[0:1], positions=self._ints[1:2],
                                  n_keys=capacity, ple=ple)
         self.capture = dev.type == "cuda" if capture is None else capture
         if self.capture and dev.type != "cuda":
@@ -141,6 +173,19 @@ class DecodeStep:
         self._copied: torch.cuda.Event | None = None
         self.outs: dict[str, tuple[torch.Tensor, ...]] = {}
         self._sampler = None
+        # Running ahead: the id a step chose, read by the next step's feed (the steps run ahead write it there),
+        # and two host slots the chosen ids are copied into, each with its event, so the host reads one id while
+        # the next is still being computed.
+        self._chosen = torch.zeros((), dtype=torch.int64, device=dev)
+        self._slots = torch.zeros(2, dtype=torch.int64, pin_memory=pin)
+        self._slot_ids = self._slots.numpy()
+        self._slot_done = [torch.cuda.Event() for _ in range(2)] if pin else None
+
+    @property
+    def can_run_ahead(self) -> bool:
+        """Whether the step's inputs can be advanced on the device (`ids_ahead`): one graph, and no PLE rows the
+        host must stage (the model has no PLE layer, or the step gathers the rows itself)."""
+        return self.split is None and (self.tables is not None or not self.model.cfg.ple)
 
     def _device_tables(self, want: bool | None) -> dict[int, tuple[torch.Tensor, NgramTables]] | None:
         """Each PLE layer's table rows as one uint8 tensor on the model's device with its hashing geometry, where
@@ -201,16 +246,22 @@ class DecodeStep:
         self._gather_rows()
         return m.run_layers(m.begin(self.inputs), self.inputs, self.state, 0, self.split or 0, static=True)
 
-    def _rest(self, carry: Carry, kind: str) -> tuple[torch.Tensor, ...]:
+    def _rest(self, carry: Carry, kind: str, chosen: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """The layers after the split, the head and the choice (written into `chosen` where given)."""
         m = self.model
         carry = m.run_layers(carry, self.inputs, self.state, self.split or 0, m.cfg.num_hidden_layers, static=True)
         logits = m.logits(m.finish(carry))[0]
-        if kind == "sampled":
-            return logits, self.sampler(logits)
-        return logits, greedy_token(logits)
+        if kind != "sampled":
+            return logits, greedy_token(logits, chosen)
+        token = self.sampler(logits)
+        return logits, (token if chosen is None else chosen.copy_(token.view(chosen.shape)))
 
-    def _compute(self, kind: str = "logits") -> tuple[torch.Tensor, ...]:
-        return self._rest(self._front(), kind)
+    def _compute(self, kind: str = "logits", ahead: bool = False) -> tuple[torch.Tensor, ...]:
+        """The step; `ahead`: run ahead, its inputs advanced from `_chosen` first and its choice written there."""
+        if not ahead:
+            return self._rest(self._front(), kind)
+        feed(self._ints, self._chosen, self._starts, self.model.cfg.ngram_size)
+        return self._rest(self._front(), kind, self._chosen)
 
     def _ready(self) -> None:
         """Before staging a token: room in the state, and the previous token's copies out of the page-locked
@@ -310,22 +361,72 @@ class DecodeStep:
         box's hosts)."""
         return int(self._run(token, "sampled" if sampled else "logits", record=False)[1])
 
-    def _capture(self, kind: str) -> None:
-        # The staged token is already in the input buffers: warm up on a side stream with a snapshot of the
-        # state (warm-up writes the caches and advances the sampler's step), restore it, then capture; the
-        # replay that follows computes the token.
+    @torch.inference_mode()
+    def ids_ahead(self, token: int, sampled: bool = False) -> Iterator[int]:
+        """The ids that follow `token`, each chosen on the device as `next_token_id` chooses it, with the step
+        for each next id launched before the host reads the current one (where `can_run_ahead`; else one step
+        per id read, as `next_token_id`). When the caller stops after an id (closing the generator, or just not
+        asking again), the step that fed it to the state has already run: `state.tokens` ends with every id
+        yielded. Raises at the state's capacity, as `next_token_id` does."""
+        kind = "sampled" if sampled else "logits"
+        if not self.can_run_ahead:
+            while True:
+                token = self.next_token_id(token, sampled)
+                yield token
+        self._chosen.copy_(self._run(token, kind, record=False)[1].reshape(()))
+        slot = 0
+        self._park(slot)
+        while True:
+            ahead = self.state.length < self.capacity
+            if ahead:  # the step for the id not yet read
+                if not self.capture:
+                    self._compute(kind, ahead=True)
+                elif f"{kind}+ahead" in self.graphs:
+                    self.graphs[f"{kind}+ahead"][0].replay()
+                else:
+                    self._capture(kind, ahead=True)
+                    self.graphs[f"{kind}+ahead"][0].replay()
+                self._park(1 - slot)
+            if self._slot_done is not None:
+                self._slot_done[slot].synchronize()
+            token = int(self._slot_ids[slot])
+            if not ahead:
+                yield token
+                self._ready()  # raises: no position left to feed it
+            self.model.fed(token, self.state)
+            yield token
+            slot = 1 - slot
+
+    def _park(self, slot: int) -> None:
+        """The chosen id copied into a host slot, the slot's event recorded after the copy."""
+        self._slots[slot:slot + 1].copy_(self._chosen.view(1), non_blocking=True)
+        if self._slot_done is not None:
+            self._slot_done[slot].record()
+
+    def _capture(self, kind: str, ahead: bool = False) -> None:
+        # The staged token is already in the input buffers (or, `ahead`, the previous choice in `_chosen`): warm
+        # up on a side stream with a snapshot of the state (warm-up writes the caches and advances the sampler's
+        # step; a step run ahead also its inputs), restore it, then capture; the replay that follows computes the
+        # token.
         snapshot = self.state.clone()
         offset = self.sampler.offset.clone() if kind == "sampled" else None
+        inputs = (self._packed.clone(), self._chosen.clone()) if ahead else None
         side = side_stream(self.model.device, CAPTURE_LANE)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._compute(kind)
-                self._restore(snapshot, offset)
+                self._compute(kind, ahead)
+                self._restore(snapshot, offset, inputs)
         torch.cuda.current_stream().wait_stream(side)
         # Each graph starts with the copy of its inputs out of the page-locked buffer (a memcpy node: the bytes are
-        # read when the replay reaches it), so no copy call is left on the host per token.
-        if self.split is None:
+        # read when the replay reaches it), so no copy call is left on the host per token; a step run ahead with
+        # its feed instead.
+        if ahead:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                self.outs[f"{kind}+ahead"] = self._compute(kind, ahead=True)
+            self.graphs[f"{kind}+ahead"] = (graph,)
+        elif self.split is None:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=side):
                 self._packed.copy_(self._host, non_blocking=True)
@@ -341,11 +442,15 @@ class DecodeStep:
                     self._packed[16:].copy_(self._host[16:], non_blocking=True)
                 self.outs[kind] = self._rest(self._carry[kind], kind)
             self.graphs[kind] = (front, rest)
-        self._restore(snapshot, offset)
+        self._restore(snapshot, offset, inputs)
 
-    def _restore(self, snapshot: SequenceState, offset: torch.Tensor | None = None) -> None:
+    def _restore(self, snapshot: SequenceState, offset: torch.Tensor | None = None,
+                 inputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         if offset is not None:
             self.sampler.offset.copy_(offset)
+        if inputs is not None:
+            self._packed.copy_(inputs[0])
+            self._chosen.copy_(inputs[1])
         for mine, saved in zip(self.state.layers, snapshot.layers, strict=True):
             for name, t in vars(saved).items():
                 if isinstance(t, torch.Tensor):

@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,6 +127,26 @@ class _JobEngine:
             self._job.generated += 1
             self._step += 1
         return nxt
+
+    def decode_ahead(self, token: int, state: SequenceState, draw: DeviceDraw | None = None,
+                     ) -> Iterator[int] | None:
+        """The engine's ids decoded ahead (unless a steer hook needs the logits), counted, and cancellable
+        before each next id is taken (the step for the id last taken is already running)."""
+        if self._steer is not None:
+            return None
+        self._check()
+        ids = self._engine.decode_ahead(token, state, draw)
+        return None if ids is None else self._counted(ids)
+
+    def _counted(self, ids: Iterator[int]) -> Iterator[int]:
+        try:
+            for nxt in ids:
+                self._job.generated += 1
+                self._step += 1
+                yield nxt
+                self._check()
+        finally:
+            ids.close()
 
 
 class Job:
