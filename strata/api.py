@@ -65,8 +65,8 @@ class LLM:
     `tokenizer.ggml.*` / `tokenizer.chat_template` metadata). tokenizer: a folder with tokenizer.json (and the config
     files naming EOS ids), or a GGUF file, whose tokenizer to use instead of the model's own. chat_template: a
     .jinja file to use instead of the model's own template. progress: show a loading progress bar on stderr.
-    activations: "float" or "q8" (`strata.model.ops.ACTIVATIONS`). ple_table: "auto", "resident", "mapped" or "device"
-    (`strata.runtime.host_memory`).
+    activations: "float" or "q8" (`strata.model.ops.ACTIVATIONS`). ple_table: "auto", "resident", "mapped", "device"
+    or "pinned" (`strata.runtime.host_memory`).
     """
 
     def __init__(self, path: str | Path | None = None, dtype: str = "float32", device: str = "cpu", *,

@@ -96,7 +96,7 @@ def test_modes_on_the_bundled_model(monkeypatch, capsys):
 def test_engine_reports_and_validates_the_mode():
     assert Engine.load(ple_table="mapped").ple_table == "mapped"
     assert Engine.load().ple_table == "resident"
-    with pytest.raises(StrataError, match="ple_table must be one of auto, resident, mapped, device, got 'x'"):
+    with pytest.raises(StrataError, match="ple_table must be one of auto, resident, mapped, device, pinned, got 'x'"):
         Engine.load(ple_table="x")
 
 
@@ -122,6 +122,8 @@ def test_inspect_shows_the_plan(capsys):
     assert "--ple-table mapped: mapped" in capsys.readouterr().out
     assert main(["inspect", "--ple-table", "device"]) == 0
     assert "--ple-table device: copied into the GPU's memory" in capsys.readouterr().out
+    assert main(["inspect", "--ple-table", "pinned"]) == 0
+    assert "--ple-table pinned: copied into page-locked host memory the GPU reads" in capsys.readouterr().out
 
 
 def test_device_mode_refuses_a_cpu_or_a_full_gpu_before_copying(monkeypatch):
@@ -154,3 +156,49 @@ def test_one_tensor_joins_row_shards_and_refuses_mixed_storage():
     mixed = RowConcatTensor("t", [parts[0], DenseTensor("t.f", torch.randn(2, 4))])
     with pytest.raises(StrataError, match="t: --ple-table device needs the table as 2-D row shards of one storage"):
         host_memory.one_tensor(mixed, torch.device("cpu"))
+
+
+def test_pinned_mode_refuses_a_cpu_or_too_little_memory_then_locks_one_tensor_per_table(monkeypatch):
+    """`--ple-table pinned` on a CPU model, or with less available memory than the tables, is refused with the
+    sizes before any byte moves; else each table becomes one host tensor of the same rows, page-locked for the
+    GPU (the CUDA runtime calls are stand-ins here), which a decode step then takes as readable by its GPU."""
+    import gc
+
+    import torch
+
+    from strata.weights.tensor import raw_rows
+
+    w = load_weights(Engine.load().path)
+    need = sum(t.nbytes for t in host_memory.ple_tables(w))
+    with pytest.raises(StrataError, match="keeps the PLE tables in host memory a GPU reads; the model runs on cpu"):
+        Engine.load(ple_table="pinned")
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: need - 1)
+    with pytest.raises(StrataError, match=r"need .* GiB of host memory, .* GiB is available; use --ple-table mapped"):
+        host_memory.tables_to_pinned(w, "cuda")
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 10 * need)
+    calls = []
+
+    class Runtime:
+        def cudaHostRegister(self, ptr, n, flags):  # noqa: ANN001, ANN201, N802
+            calls.append(("lock", ptr, n))
+            return 0
+
+        def cudaHostUnregister(self, ptr):  # noqa: ANN001, ANN201, N802
+            calls.append(("unlock", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", Runtime)
+    monkeypatch.setattr(torch.cuda, "check_error", lambda res: None)
+    pinned = host_memory.tables_to_pinned(w, "cuda")
+    names = [n for n in w.tensors if n.endswith("ple.table")]
+    assert [c[0] for c in calls] == ["lock"] * len(names)
+    for name in names:
+        rows = raw_rows(pinned[name])
+        assert rows.is_contiguous() and host_memory.page_locked(rows) and host_memory.page_locked(rows[3:7])
+        assert torch.equal(rows, raw_rows(host_memory.one_tensor(w[name], torch.device("cpu"))))
+        assert not host_memory.page_locked(rows.clone())
+    assert host_memory.plan(pinned, "pinned") == ("pinned", need, 10 * need)
+    del pinned, rows
+    gc.collect()
+    assert sorted(c[0] for c in calls) == ["lock"] * len(names) + ["unlock"] * len(names)
+    assert not host_memory._LOCKED

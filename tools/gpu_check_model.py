@@ -3,8 +3,9 @@
 For each model (the fixture HF checkpoint and GGUF files when present, and tiny random configs): the GPU
 path (Triton kernels, float32 compute) against the CPU reference path (float32): prefill and decode logits
 within a tolerance, greedy tokens equal; the captured decode step equals the uncaptured one exactly, and so does
-the step that gathers its PLE rows on the GPU (`--ple-table device`) the host-staged one, and the steps run ahead
-of the host (`DecodeStep.ids_ahead`) the steps that read each id before the next.
+the step that gathers its PLE rows on the GPU (`--ple-table device`, and from page-locked host memory: `pinned`)
+the host-staged one, and the steps run ahead of the host (`DecodeStep.ids_ahead`) the steps that read each id
+before the next.
 `--activations q8` runs both sides in the Q8-activation mode (the GPU's `gemv_q8x` kernels against the CPU's
 `linear_q8_ref`). The mode is discontinuous: an input within a few fp32 ulps of a rounding boundary lands on the
 other integer on the two sides, a step of 1/127 of its run's largest value, so on the quantized fixture GGUFs two
@@ -85,20 +86,23 @@ def compare(path: str, ids: list[int], steps: int = 16, activations: str = "floa
     b2 = graph.step(int(b.argmax())).clone()
     captured_equal = bool(torch.equal(a, b) and torch.equal(a2, b2))
     ple_device_equal = ple_device_equals_host(w, ids, activations, [b, b2]) if gpu.cfg.ple else None
+    ple_pinned_equal = ple_device_equals_host(w, ids, activations, [b, b2], "pinned") if gpu.cfg.ple else None
     ahead_equal = ahead_equals_one_by_one(w, ids, activations)
     return {"model": path, "activations": activations, "tokens": len(ids), "prefill_rel_err": prefill_err,
             "decode_rel_err": dec_err, "mode_rel_diff": mode_diff, "jitter_spread": spread, "tolerance": tol,
             "greedy_equal": seq_c == seq_g, "captured_equals_uncaptured": captured_equal,
-            "ple_device_equals_host": ple_device_equal, "ahead_equals_one_by_one": ahead_equal,
+            "ple_device_equals_host": ple_device_equal, "ple_pinned_equals_host": ple_pinned_equal,
+            "ahead_equals_one_by_one": ahead_equal,
             "ok": prefill_err < tol and dec_err < tol and seq_c == seq_g and captured_equal
-            and ple_device_equal is not False and ahead_equal}
+            and ple_device_equal is not False and ple_pinned_equal is not False and ahead_equal}
 
 
-def ple_device_equals_host(w, ids: list[int], activations: str, host: list[torch.Tensor]) -> bool:
-    """With the PLE tables in the GPU's memory (`--ple-table device`), the captured step that hashes and gathers
-    its rows itself gives the host-staged captured step's logits (`host`: the last prompt id, then the argmax)
-    bit for bit."""
-    gpu = Engine(w, "float32", "cuda", activations=activations, ple_table="device")
+def ple_device_equals_host(w, ids: list[int], activations: str, host: list[torch.Tensor], mode: str = "device",
+                           ) -> bool:
+    """With the PLE tables in the GPU's memory (`--ple-table device`) or in page-locked host memory it reads
+    (`pinned`), the captured step that hashes and gathers its rows itself gives the host-staged captured step's
+    logits (`host`: the last prompt id, then the argmax) bit for bit."""
+    gpu = Engine(w, "float32", "cuda", activations=activations, ple_table=mode)
     step = DecodeStep(gpu.model, capacity=len(ids) + 8, capture=True)
     if step.tables is None or step.split is not None:
         raise AssertionError("the step with its PLE tables on the GPU does not gather them itself")
@@ -216,7 +220,7 @@ def main() -> int:
             rows.append({"model": m, "ok": False, "error": f"{type(e).__name__}: {e}",
                          "trace": traceback.format_exc()[-2000:]})
     print(f"{'model':<48}{'prefill':>10}{'decode':>10}{'tolerance':>11}{'greedy':>8}{'graph==eager':>14}"
-          f"{'ple device':>12}{'ahead':>7}"
+          f"{'ple device':>12}{'pinned':>8}{'ahead':>7}"
           + (f"{'q8 vs float':>13}{'jitter':>10}" if args.activations != "float" else ""))
     for r in rows:
         if "error" in r:
@@ -224,7 +228,8 @@ def main() -> int:
         else:
             print(f"{Path(r['model']).name:<48}{r['prefill_rel_err']:>10.2e}{r['decode_rel_err']:>10.2e}"
                   f"{r['tolerance']:>11.1e}{str(r['greedy_equal']):>8}{str(r['captured_equals_uncaptured']):>14}"
-                  f"{str(r.get('ple_device_equals_host')):>12}{str(r.get('ahead_equals_one_by_one')):>7}"
+                  f"{str(r.get('ple_device_equals_host')):>12}{str(r.get('ple_pinned_equals_host')):>8}"
+                  f"{str(r.get('ahead_equals_one_by_one')):>7}"
                   + (f"{r['mode_rel_diff']:>13.2e}" if r.get("mode_rel_diff") is not None else "")
                   + (f"{r['jitter_spread']:>10.2e}" if r.get("jitter_spread") is not None else ""))
     if args.out:

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
     from strata.runtime import bench
     from strata.runtime.engine import load_weights
-    from strata.runtime.host_memory import hold_ple_tables, tables_to_device
+    from strata.runtime.host_memory import place_ple_tables
     from strata.runtime.placement import fast_ops, gpu_layout, place
     from strata.runtime.synthetic import TypeMix, real_config, synthetic_weights
 
@@ -86,9 +86,7 @@ def run(args: argparse.Namespace) -> int:
         # as GPU placement stores them for a bfloat16 model
         weights = gpu_layout(synthetic_weights(cfg, mix, dev), inplace=True, dtype=torch.bfloat16)
         mix_text = mix.describe()
-    if args.ple_table == "device":
-        weights = tables_to_device(weights, dev, progress=sys.stderr.isatty())
-    ple_table = hold_ple_tables(weights, args.ple_table, progress=sys.stderr.isatty())
+    weights, ple_table = place_ple_tables(weights, args.ple_table, dev, progress=sys.stderr.isatty())
     from strata.model.model import Model
     from strata.model.ops import Ops, with_activations
 
@@ -103,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
               "ops": "reference" if args.reference_ops else "triton", "activations": args.activations,
               "pdl": not args.reference_ops and pdl.active(dev),
               "branch_streams": not args.reference_ops and not args.one_stream,
-              "split_step": not args.no_split and ple_table != "device",
+              "split_step": not args.no_split and ple_table not in ("device", "pinned"),
               "memory_gib": {"model": torch.cuda.memory_allocated(dev) / 2**30,
                              "device": torch.cuda.get_device_properties(dev).total_memory / 2**30},
               "decode": []}

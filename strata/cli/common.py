@@ -26,13 +26,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_ple_table_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ple-table", default="auto", choices=["auto", "resident", "mapped", "device"],
+    p.add_argument("--ple-table", default="auto", choices=["auto", "resident", "mapped", "device", "pinned"],
                    help="the PLE n-gram tables (tens of GB at full size): resident reads every page into memory at "
                         "load, so no decode token waits on a page fault for its table rows (the table's size in RAM, "
                         "a full read of it); mapped reads rows from the model file's pages as tokens hash to them; "
                         "auto (default) is resident where the tables fit in 80%% of the available memory; device "
                         "copies them into the GPU's memory (where it has room beside the model), and the captured "
-                        "decode step hashes and gathers each token's rows itself (no host work per token)")
+                        "decode step hashes and gathers each token's rows itself (no host work per token; the steps "
+                        "run ahead of the host); pinned does the same with the tables in page-locked host memory "
+                        "that the GPU reads over PCIe (the tables' size in RAM)")
 
 
 def parse_ids(text: str) -> list[int]:

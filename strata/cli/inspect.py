@@ -47,6 +47,10 @@ def run(args: argparse.Namespace) -> int:
     if decided == "device":
         print(f"ple table  {_gb(table_bytes)}; --ple-table device: copied into the GPU's memory at load (it must fit "
               "beside the model)")
+    elif decided == "pinned":
+        have = f"{_gb(avail)} available" if avail is not None else "available memory unknown"
+        print(f"ple table  {_gb(table_bytes)}; --ple-table pinned: copied into page-locked host memory the GPU reads "
+              f"({have})")
     elif decided != "none":
         have = f"{_gb(avail)} available" if avail is not None else "available memory unknown"
         print(f"ple table  {_gb(table_bytes)} in host memory; --ple-table {args.ple_table}: {decided} ({have})")

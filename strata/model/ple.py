@@ -153,9 +153,9 @@ def ple_hist_into(token: int, state: PLEState, out: np.ndarray) -> None:
 
 def ple_gather_ref(hist: torch.Tensor, table: torch.Tensor, tables: NgramTables, out: torch.Tensor) -> None:
     """The rows of the n-grams ending at hist's last id (`ngram_hash_rows`) gathered as stored, on the table's
-    device: hist (n,) int64 the context and the id, table (rows, row bytes) uint8 the stored rows, out (heads,
-    row bytes) uint8."""
-    out.copy_(table.index_select(0, ngram_hash_rows(hist, tables)[-1]))
+    device (a page-locked host table: copied to out's): hist (n,) int64 the context and the id, table (rows, row
+    bytes) uint8 the stored rows, out (heads, row bytes) uint8."""
+    out.copy_(table.index_select(0, ngram_hash_rows(hist, tables)[-1].to(table.device)))
 
 
 def decode_rows_ref(stored: torch.Tensor, table: StoredTensor, dtype: torch.dtype) -> torch.Tensor:

@@ -16,7 +16,7 @@ from strata.errors import StrataError
 from strata.model.model import Model, SequenceState
 from strata.model.ops import ACTIVATIONS, Ops, with_activations
 from strata.runtime.host_memory import check_mode as check_ple_table_mode
-from strata.runtime.host_memory import hold_ple_tables, tables_to_device
+from strata.runtime.host_memory import place_ple_tables
 from strata.weights.schema import Weights
 
 if TYPE_CHECKING:
@@ -51,8 +51,9 @@ def load_weights(path: str | Path) -> Weights:
 class Engine:
     """A model ready to run: `new_state()`, `prefill(ids, state)`, `decode(token, state)`. On a CUDA device the
     weights are placed there (the PLE table stays on the host unless `ple_table` is "device") and the Triton
-    kernels are installed. ple_table: whether the PLE tables' pages are read into memory first, or copied into the
-    GPU's memory (`strata.runtime.host_memory`); progress: a progress bar on stderr while they are."""
+    kernels are installed. ple_table: whether the PLE tables' pages are read into memory first, copied into the
+    GPU's memory or into page-locked host memory the GPU reads (`strata.runtime.host_memory`); progress: a
+    progress bar on stderr while they are."""
 
     def __init__(self, weights: Weights, dtype: str | torch.dtype = "float32", device: str = "cpu",
                  ops: Ops | None = None, path: Path | None = None, graphs: bool | None = None,
@@ -76,15 +77,13 @@ class Engine:
             ops = ops or fast_ops(activations=activations)
         elif ops is None:
             ops = with_activations(Ops(), activations)
-        if ple_table == "device" and weights.cfg.ple:
-            weights = tables_to_device(weights, self.device, progress)
-        self.weights = weights
-        self.ple_table = hold_ple_tables(weights, ple_table, progress)
+        self.weights, self.ple_table = place_ple_tables(weights, ple_table, self.device, progress)
         """What was done with the PLE tables: "resident", "mapped" (`hold_ple_tables`), "device" (in the GPU's
-        memory, `tables_to_device`) or "none"."""
+        memory, `tables_to_device`), "pinned" (in page-locked host memory the GPU reads, `tables_to_pinned`) or
+        "none"."""
         self.cfg = weights.cfg
         self.path = path
-        self.model = Model(weights, self.dtype, self.device, ops)
+        self.model = Model(self.weights, self.dtype, self.device, ops)
 
     @classmethod
     def load(cls, path: str | Path | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu",

@@ -38,6 +38,7 @@ from strata.model.experts import experts_gather
 from strata.model.model import Carry, Model, StepInputs
 from strata.model.ops import Ops, linear_q8_ref
 from strata.model.ple import NgramTables
+from strata.runtime.host_memory import page_locked
 from strata.runtime.state import SequenceState
 from strata.runtime.streams import CAPTURE_LANE, side_stream
 from strata.weights.tensor import raw_rows
@@ -117,8 +118,8 @@ class DecodeStep:
     def __init__(self, model: Model, capacity: int, capture: bool | None = None,
                  state: SequenceState | None = None, split: bool = True, ple_gather: bool | None = None):
         """ple_gather: hash a token's n-grams and gather its PLE rows on the model's device (`Ops.ple_gather`);
-        None (default): where every PLE table's stored rows are one tensor in the model's device memory on a
-        CUDA device. True refuses tables that are not on the model's device."""
+        None (default): where every PLE table's stored rows are one tensor the model's CUDA device reads (in its
+        memory, or page-locked host memory: `--ple-table device`, `pinned`). True refuses tables it cannot read."""
         self.model = Model(model.w, model.dtype, model.device, capturable(model.ops))
         self.capacity = capacity
         if state is not None and not state.fixed_capacity(capacity):
@@ -188,8 +189,9 @@ class DecodeStep:
         return self.split is None and (self.tables is not None or not self.model.cfg.ple)
 
     def _device_tables(self, want: bool | None) -> dict[int, tuple[torch.Tensor, NgramTables]] | None:
-        """Each PLE layer's table rows as one uint8 tensor on the model's device with its hashing geometry, where
-        the step is to gather them itself (`want`, or by default wherever that is possible on a CUDA device)."""
+        """Each PLE layer's table rows as one uint8 tensor the model's device reads (on it, or for a GPU in
+        page-locked host memory) with its hashing geometry, where the step is to gather them itself (`want`, or by
+        default wherever that is possible on a CUDA device)."""
         m = self.model
         if want is False or not m.cfg.ple or (want is None and m.device.type != "cuda"):
             return None
@@ -201,11 +203,13 @@ class DecodeStep:
                 rows = rows.view(torch.uint8)
             on_device = rows is not None and rows.device.type == m.device.type and (
                 m.device.index is None or rows.device.index in (None, m.device.index))
-            if not on_device or rows.dim() != 2 or not rows.is_contiguous():
+            pinned = rows is not None and m.device.type == "cuda" and page_locked(rows)
+            if not (on_device or pinned) or rows.dim() != 2 or not rows.is_contiguous():
                 if want:
                     where = "not one contiguous tensor" if rows is None else f"on {rows.device}"
                     raise StrataError(f"{table.name}: a step that gathers its PLE rows on {m.device} needs the "
-                                      f"table's rows in that device's memory; they are {where} (--ple-table device)")
+                                      f"table's rows in that device's memory or page-locked for it; they are "
+                                      f"{where} (--ple-table device or pinned)")
                 return None
             out[i] = (rows, NgramTables.of(m.cfg.ple[i], m.cfg, m.device))
         return out

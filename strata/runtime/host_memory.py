@@ -15,7 +15,10 @@ Modes (`strata generate --ple-table`, `Engine(ple_table=...)`): "resident" holds
 to the page faults, "auto" (the default) holds them where they fit in the memory the system reports available,
 "device" copies them into the GPU's memory (`tables_to_device`; a GPU with room beside the model, e.g. an H200's
 for the real model's 27 GB), where the decode step hashes each token's n-grams and gathers its rows itself
-(`strata.runtime.graph.DecodeStep`): no host work but a few integers per token, and one graph per step.
+(`strata.runtime.graph.DecodeStep`): no host work but a few integers per token, and one graph per step, which can
+run ahead of the host (`DecodeStep.ids_ahead`). "pinned" gives a GPU without that room the same step: the tables
+copied into page-locked host memory that the GPU reads directly (`tables_to_pinned`), so the step's gather reads
+a token's rows over PCIe (16 rows of a few hundred bytes per PLE layer) instead of the host staging them.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from strata.weights.quant_tensor import QuantTensor
 from strata.weights.schema import Weights
 from strata.weights.tensor import DenseTensor, StoredTensor, raw_rows
 
-PLE_TABLE_MODES = ("auto", "resident", "mapped", "device")
+PLE_TABLE_MODES = ("auto", "resident", "mapped", "device", "pinned")
 AUTO_FRACTION = 0.8  # "auto" holds the tables when they take at most this share of the available memory
 CHUNK_BYTES = 256 << 20  # populated per call, so a progress bar moves and a failure names where
 MADV_POPULATE_READ = 22  # <linux/mman.h>; Python's mmap module does not name it before 3.13
@@ -172,15 +175,74 @@ def tables_to_device(w: Weights, device: torch.device | str, progress: bool = Fa
     return Weights(w.cfg, tensors, w.gdn_value_order, w.source, w.unknown)
 
 
+_LOCKED: dict[int, int] = {}  # start -> bytes of the host ranges `page_lock` registered
+
+
+def page_lock(t: torch.Tensor, name: str) -> None:
+    """Page-lock a contiguous host tensor's memory and map it into the GPUs' address space (`cudaHostRegister`),
+    so kernels read it directly (over PCIe); it is unregistered when the tensor is freed."""
+    import weakref
+
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    try:
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+    except Exception as e:  # noqa: BLE001 - any failure of the runtime call is reported the same way
+        raise StrataError(f"{name}: cannot page-lock the table's {nbytes / 2**30:.1f} GiB of host memory for the GPU "
+                          f"({e}); use --ple-table resident or mapped") from None
+    _LOCKED[ptr] = nbytes
+    weakref.finalize(t, _unlock, ptr)
+
+
+def _unlock(ptr: int) -> None:
+    _LOCKED.pop(ptr, None)
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # noqa: BLE001, S110 - at exit the CUDA context may already be gone
+        pass
+
+
+def page_locked(t: torch.Tensor) -> bool:
+    """Whether a host tensor's bytes lie in a range `page_lock` registered (so a GPU reads them directly)."""
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    return t.device.type == "cpu" and any(p <= lo and hi <= p + n for p, n in _LOCKED.items())
+
+
+def tables_to_pinned(w: Weights, device: torch.device | str, progress: bool = False) -> Weights:
+    """w with every PLE table as one tensor in page-locked host memory that `device` (a GPU) reads directly
+    (`one_tensor` on the host, then `page_lock`): a decode step on that GPU gathers its rows itself. Refused,
+    before any copy, off a GPU or where the tables exceed the memory the system reports available."""
+    device = torch.device(device)
+    tables = {name: t for name, t in w.tensors.items() if name.endswith("ple.table")}
+    if not tables:
+        return w
+    need = sum(t.nbytes for t in tables.values())
+    if device.type != "cuda":
+        raise StrataError(f"--ple-table pinned keeps the PLE tables in host memory a GPU reads; the model runs on "
+                          f"{device}")
+    avail = available_bytes()
+    if avail is not None and need > avail:
+        raise StrataError(f"--ple-table pinned: the PLE tables need {need / 2**30:.1f} GiB of host memory, "
+                          f"{avail / 2**30:.1f} GiB is available; use --ple-table mapped")
+    from tqdm import tqdm
+
+    tensors = dict(w.tensors)
+    with tqdm(total=need, desc="PLE tables into page-locked memory", unit="B", unit_scale=True,
+              disable=not progress, leave=False) as bar:
+        for name, t in tables.items():
+            tensors[name] = one_tensor(t, torch.device("cpu"), bar.update)
+            page_lock(raw_rows(tensors[name]), name)
+    return Weights(w.cfg, tensors, w.gdn_value_order, w.source, w.unknown)
+
+
 def plan(w: Weights, mode: str = "auto") -> tuple[str, int, int | None]:
     """What `hold_ple_tables(w, mode)` would do, without doing it: ("resident" | "mapped" | "none", the host
     tables' bytes, `available_bytes()`). "auto" holds them when their bytes are at most AUTO_FRACTION of the
-    available memory (unknown: held). "device" (`tables_to_device`, done by the caller) gives ("device", all the
-    tables' bytes, ...)."""
+    available memory (unknown: held). "device" and "pinned" (`tables_to_device`, `tables_to_pinned`, done by the
+    caller) give (that mode, all the tables' bytes, ...)."""
     check_mode(mode)
-    if mode == "device":
+    if mode in ("device", "pinned"):
         total = sum(t.nbytes for t in ple_tables(w))
-        return ("device" if total else "none"), total, available_bytes()
+        return (mode if total else "none"), total, available_bytes()
     total = sum(a.nbytes for t in ple_tables(w) for a in host_arrays(t))
     avail = available_bytes()
     if total == 0:
@@ -190,10 +252,23 @@ def plan(w: Weights, mode: str = "auto") -> tuple[str, int, int | None]:
     return mode, total, avail
 
 
+def place_ple_tables(w: Weights, mode: str, device: torch.device | str, progress: bool = False,
+                     ) -> tuple[Weights, str]:
+    """Apply a PLE table mode for a model on `device`: "device" and "pinned" move the tables (`tables_to_device`,
+    `tables_to_pinned`), the others hold them in memory or not (`hold_ple_tables`). Returns the weights and what
+    was done."""
+    check_mode(mode)
+    if w.cfg.ple and mode == "device":
+        w = tables_to_device(w, device, progress)
+    elif w.cfg.ple and mode == "pinned":
+        w = tables_to_pinned(w, device, progress)
+    return w, hold_ple_tables(w, mode, progress)
+
+
 def hold_ple_tables(w: Weights, mode: str = "auto", progress: bool = False) -> str:
     """Apply a PLE table mode (`PLE_TABLE_MODES`, decided by `plan`) to w's tables in host memory. Returns what was
-    done: "resident" (every page mapped), "mapped" (left to the page faults) or "none" (no PLE table on the host).
-    """
+    done: "resident" (every page mapped), "mapped" (left to the page faults), "device" or "pinned" (the caller
+    moved them) or "none" (no PLE table)."""
     decided, total, avail = plan(w, mode)
     if decided != "resident":
         if mode == "auto" and decided == "mapped":
