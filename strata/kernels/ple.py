@@ -148,13 +148,18 @@ def _ple_gather_kernel(hist_ptr, mult_ptr, prime_ptr, off_ptr, table_ptr, out_pt
 
 def gather_supported(hist: torch.Tensor, table: torch.Tensor, tables: NgramTables, out: torch.Tensor) -> bool:
     """The layouts the gather kernel reads: hist (n,) int64, the table (rows, row bytes) and out (heads, row
-    bytes) uint8, contiguous, and the geometry tensors on one device."""
+    bytes) uint8, contiguous, and the geometry tensors on one device, which holds the table too or, for a GPU,
+    reads it from page-locked host memory (`--ple-table pinned`)."""
+    from strata.runtime.host_memory import page_locked
+
     nh = tables.primes.numel()
+    readable = table.device == hist.device or (hist.is_cuda and page_locked(table))
     return (hist.dtype == torch.int64 and hist.dim() == 1 and hist.is_contiguous()
             and table.dtype == torch.uint8 and table.dim() == 2 and table.is_contiguous()
             and out.dtype == torch.uint8 and out.is_contiguous() and tuple(out.shape) == (nh, table.shape[1])
             and tables.multipliers.numel() == hist.numel() and nh == (hist.numel() - 1) * tables.heads_per_ngram
-            and len({t.device for t in (hist, table, out, tables.multipliers, tables.primes, tables.offsets)}) == 1)
+            and len({t.device for t in (hist, out, tables.multipliers, tables.primes, tables.offsets)}) == 1
+            and readable)
 
 
 def ple_gather(hist: torch.Tensor, table: torch.Tensor, tables: NgramTables, out: torch.Tensor) -> None:
