@@ -66,7 +66,7 @@ def test_timed_ops_wraps_every_entry():
 
 def test_format_table():
     report = {"gpu": "X", "copy_bandwidth_bytes_per_s": 4e12, "model": "m", "ops": "triton", "type_mix": "t",
-              "decode": [{"context": 4096, "ms_per_token": 2.0, "tok_per_s": 500.0, "wall_ms_per_token": 2.1,
+              "decode": [{"context": 4096, "ms_per_token": 2.0, "tok_per_s": 500.0, "graph_replay_ms": 1.9,
                           "bytes_per_token": {"total": 6e9}, "floor_ms": 1.5, "fraction_of_floor": 0.75,
                           "stages_ms": {"experts": {"gdn": 0.5, "qsa": 0.2}}, "stages_sum_ms": 0.7}],
               "prefill": {"tokens": 512, "seconds": 0.25, "tok_per_s": 2048.0, "runs_s": [0.26, 0.25, 0.24],
@@ -74,7 +74,7 @@ def test_format_table():
                                                            "top": [{"kernel": "_experts_gemm_kernel", "count": 96,
                                                                     "ms": 120.0}]}}}
     text = bench.format_table(report)
-    assert "75.0%" in text and "experts" in text
+    assert "75.0%" in text and "experts" in text and "   1.900 " in text  # the replay column
     assert "2048.0 tok/s (median of 3; first pass, with compilation: 3.50 s)" in text
     assert "900 kernels" in text and "_experts_gemm_kernel" in text
 
@@ -99,7 +99,7 @@ def test_layer_paths_reads_the_critical_path_off_a_timeline():
     assert paths["qsa"]["steps"] == [["_hc_down_kernel", 7.0, 7.0, 0.0], ["_select_kernel", 30.0, 23.0, 5.0],
                                      ["_combine_kernel", 31.0, 1.0, 30.0]]
     report = {"gpu": "X", "copy_bandwidth_bytes_per_s": 4e12, "model": "m", "ops": "triton", "type_mix": "t",
-              "decode": [{"context": 4096, "ms_per_token": 2.0, "tok_per_s": 500.0, "wall_ms_per_token": 2.1,
+              "decode": [{"context": 4096, "ms_per_token": 2.0, "tok_per_s": 500.0, "graph_replay_ms": 1.9,
                           "bytes_per_token": {"total": 6e9}, "floor_ms": 1.5, "fraction_of_floor": 0.75,
                           "replay_kernels": {"layers": paths}}]}
     text = bench.format_table(report)
