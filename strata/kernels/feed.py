@@ -4,7 +4,8 @@ device from the id the previous step chose, so the host launches the next step b
 One program of one warp: the id copied in, the position incremented, and each PLE layer's n-gram history shifted
 by one with the id appended (the twin of `strata.runtime.graph.feed_ref`). Every history value is loaded before
 any is stored (one warp issues the load for all its lanes before the store, and a barrier separates them), so the
-shift never reads a value it has already overwritten.
+shift never reads a value it has already overwritten. Where PDL is on, the kernel lets the step's next launches
+start at once (their weight loads overlap it; they wait for it to complete before reading its inputs).
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.kernels import pdl
+
 
 @triton.jit
 def _feed_kernel(ints_ptr, tok_ptr, first, stride, NH: tl.constexpr, N: tl.constexpr, NHP: tl.constexpr,
-                 NP: tl.constexpr):
+                 NP: tl.constexpr, GDC: tl.constexpr = False):
+    pdl.started(GDC)
     tok = tl.load(tok_ptr)
     pos = tl.load(ints_ptr + 1)
     h = tl.arange(0, NHP)[:, None]
@@ -39,4 +43,5 @@ def feed(ints: torch.Tensor, token: torch.Tensor, starts: tuple[int, ...], n: in
         raise ValueError(f"feed: the n-gram histories' starts {starts} are not evenly spaced by at least n={n}")
     nh = len(starts)
     _feed_kernel[(1,)](ints, token, starts[0] if starts else 0, stride, NH=nh, N=max(n, 1),
-                       NHP=triton.next_power_of_2(max(nh, 1)), NP=triton.next_power_of_2(max(n, 1)), num_warps=1)
+                       NHP=triton.next_power_of_2(max(nh, 1)), NP=triton.next_power_of_2(max(n, 1)), num_warps=1,
+                       GDC=pdl.active(ints.device))

@@ -123,9 +123,11 @@ def ple_mix(x: torch.Tensor, key: torch.Tensor, value: torch.Tensor, norm_key: t
 
 @triton.jit
 def _ple_gather_kernel(hist_ptr, mult_ptr, prime_ptr, off_ptr, table_ptr, out_ptr, eos, RB,
-                       N: tl.constexpr, HPN: tl.constexpr, NH: tl.constexpr, BH: tl.constexpr, BB: tl.constexpr):
+                       N: tl.constexpr, HPN: tl.constexpr, NH: tl.constexpr, BH: tl.constexpr, BB: tl.constexpr,
+                       GDC: tl.constexpr = False):
     """One program: the hashes of the n-grams ending at hist[N - 1] (orders 2..N; ids older than an EOS hash as
     EOS), lane j the row of head j (order j // HPN + 2), and its RB stored bytes copied to out[j]."""
+    pdl.enter(GDC)
     j = tl.arange(0, BH)
     jm = j < NH
     order = j // HPN + 1  # the n-gram's oldest id is `order` back
@@ -167,4 +169,4 @@ def ple_gather(hist: torch.Tensor, table: torch.Tensor, tables: NgramTables, out
     nh, rb = out.shape
     _ple_gather_kernel[(1,)](hist, tables.multipliers, tables.primes, tables.offsets, table, out, tables.eos, rb,
                              N=hist.numel(), HPN=tables.heads_per_ngram, NH=nh, BH=triton.next_power_of_2(nh),
-                             BB=triton.next_power_of_2(rb))
+                             BB=triton.next_power_of_2(rb), **pdl.launch(hist.device))
