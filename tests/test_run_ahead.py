@@ -84,16 +84,25 @@ def test_ids_ahead_equal_the_ids_read_one_by_one(engine):
         assert torch.equal(mine.context, theirs.context)
 
 
-def test_ids_ahead_stop_at_the_capacity(engine):
-    """The last position is filled by the step that chose the last id; asked for one more, it refuses as
-    `next_token_id` does, with the state full."""
-    step = _step(engine, capacity=8)
-    step.prefill(_prompt(engine, 4, 3))
-    ids = step.ids_ahead(11)
-    got = [next(ids) for _ in range(4)]  # positions 4 (the id 11) .. 7 (the third id), then the fourth id
-    assert step.state.length == 8 and step.state.tokens[4:] == [11, *got[:3]]
+@pytest.mark.parametrize("ahead", [True, False])
+def test_ids_ahead_end_at_the_capacity(engine, ahead):
+    """The ids end with the one chosen at the last position, not fed: as many as `next_token_id` gives until
+    the state is full (then it refuses), and the same ids."""
+    prompt = _prompt(engine, 4, 3)
+    one_by_one = _step(engine, capacity=8)
+    one_by_one.prefill(prompt)
+    want, tok = [], 11
+    while one_by_one.state.length < 8:
+        tok = one_by_one.next_token_id(tok)
+        want.append(tok)
     with pytest.raises(StrataError, match="capacity of 8"):
-        next(ids)
+        one_by_one.next_token_id(tok)
+    step = _step(engine, capacity=8) if ahead else DecodeStep(engine.model, capacity=8, capture=False, split=True)
+    step.prefill(prompt)
+    assert step.can_run_ahead == ahead or not engine.cfg.ple
+    got = list(step.ids_ahead(11))  # positions 4 (the id 11) .. 7 (the third id), then the fourth id
+    assert got == want and len(got) == 4
+    assert step.state.length == 8 and step.state.tokens[4:] == [11, *got[:3]]
 
 
 def test_without_device_rows_each_id_is_read_before_the_next_step(tmp_path):

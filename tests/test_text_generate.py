@@ -284,7 +284,8 @@ def test_generation_runs_ahead_where_the_step_feeds_itself(fixtures_dir: Path, m
     ahead = LLM(fixtures_dir / "hf")
     ahead.engine = Engine.load(fixtures_dir / "hf", graphs=True, context=len(prompt) + 40)
     ahead.engine.model = reference.with_device_tables(ahead.engine.model)
-    monkeypatch.setattr(DecodeStep, "__init__", functools.partialmethod(DecodeStep.__init__, ple_gather=True))
+    real_init = DecodeStep.__init__
+    monkeypatch.setattr(DecodeStep, "__init__", functools.partialmethod(real_init, ple_gather=True))
     calls = reference.count_calls(monkeypatch, {"feed": (graph, "feed"), "one_by_one": (DecodeStep, "next_token_id")})
     greedy = SamplingParams(max_tokens=12, greedy=True)
     want = host.start(prompt, greedy).run()
@@ -297,3 +298,17 @@ def test_generation_runs_ahead_where_the_step_feeds_itself(fixtures_dir: Path, m
     again = ahead.start(turn, SamplingParams(max_tokens=3, greedy=True), state=got.state).run()
     assert again.timings.cached_tokens == len(turn) - 2 and again.token_ids == host.generate(
         turn, SamplingParams(max_tokens=3, greedy=True)).token_ids
+    # at the context length: as many ids as the one-by-one step gives (the last one chosen at the last position)
+    short = Engine.load(fixtures_dir / "hf", graphs=True, context=len(prompt) + 6)
+    one_by_one = LLM(fixtures_dir / "hf")
+    one_by_one.engine = short
+    ahead.engine = Engine.load(fixtures_dir / "hf", graphs=True, context=len(prompt) + 6)
+    ahead.engine.model = reference.with_device_tables(ahead.engine.model)
+    many = SamplingParams(max_tokens=50, greedy=True)
+    with monkeypatch.context() as m:
+        m.setattr(DecodeStep, "__init__", functools.partialmethod(real_init, ple_gather=False))
+        want_short = one_by_one.start(prompt, many).run()
+    got_short = ahead.start(prompt, many).run()
+    assert got_short.token_ids == want_short.token_ids and len(got_short.token_ids) == 7
+    assert got_short.finish_reason == want_short.finish_reason == "length"
+    assert got_short.state.length == len(prompt) + 6

@@ -167,8 +167,8 @@ class Engine:
         """The ids that follow `token`, each chosen on the device as `decode_token` chooses it (a draw restarts
         with `draw`'s parameters and seed), the step for the next id running while the host handles the current
         one where the captured step can feed itself (`DecodeStep.ids_ahead`). When the caller stops asking,
-        `state` holds every id it was given (`state.tokens`), the last one included. None where `decode_token`
-        would return None."""
+        `state` holds every id it was given (`state.tokens`), the last one included; the ids end with the one
+        chosen at the state's last position. None where `decode_token` would return None."""
         t = self.check_ids([token])
         step = self._choosing_step(state, draw, restart=True)
         return None if step is None else step.ids_ahead(int(t[0]), sampled=draw is not None)

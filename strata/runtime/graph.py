@@ -371,12 +371,15 @@ class DecodeStep:
         for each next id launched before the host reads the current one (where `can_run_ahead`; else one step
         per id read, as `next_token_id`). When the caller stops after an id (closing the generator, or just not
         asking again), the step that fed it to the state has already run: `state.tokens` ends with every id
-        yielded. Raises at the state's capacity, as `next_token_id` does."""
+        yielded. The ids end with the one chosen at the state's last position, which is not fed (no position is
+        left for it), so a caller gets as many ids as from `next_token_id` until the state is full."""
         kind = "sampled" if sampled else "logits"
         if not self.can_run_ahead:
             while True:
                 token = self.next_token_id(token, sampled)
                 yield token
+                if self.state.length >= self.capacity:
+                    return
         self._chosen.copy_(self._run(token, kind, record=False)[1].reshape(()))
         slot = 0
         self._park(slot)
@@ -394,9 +397,9 @@ class DecodeStep:
             if self._slot_done is not None:
                 self._slot_done[slot].synchronize()
             token = int(self._slot_ids[slot])
-            if not ahead:
+            if not ahead:  # chosen at the last position: nowhere to feed it
                 yield token
-                self._ready()  # raises: no position left to feed it
+                return
             self.model.fed(token, self.state)
             yield token
             slot = 1 - slot

@@ -127,12 +127,17 @@ class Generation:
                 if self._stream.stopped is not None:
                     self.finish_reason, self.stop_reason = "stop", self._stream.stopped
                     break
-                if len(self.token_ids) >= params.max_tokens or state.length >= limit:  # no position to feed it
+                # no position to feed the token (run ahead, the ids end where the state is full)
+                if len(self.token_ids) >= params.max_tokens or (ahead is None and state.length >= limit):
                     self.finish_reason = "length"
                     break
                 if ahead is None and self.timings.decode_tokens == 0:
                     ahead = self._decode_ahead(token, state)
-                token = self._decode(token, state) if ahead is None else next(ahead)
+                nxt = self._decode(token, state) if ahead is None else next(ahead, None)
+                if nxt is None:
+                    self.finish_reason = "length"
+                    break
+                token = nxt
                 self.timings.decode_tokens += 1
         finally:
             if ahead is not None:
