@@ -388,10 +388,9 @@ class DecodeStep:
             if ahead:  # the step for the id not yet read
                 if not self.capture:
                     self._compute(kind, ahead=True)
-                elif f"{kind}+ahead" in self.graphs:
-                    self.graphs[f"{kind}+ahead"][0].replay()
                 else:
-                    self._capture(kind, ahead=True)
+                    if f"{kind}+ahead" not in self.graphs:
+                        self._capture(kind, ahead=True)
                     self.graphs[f"{kind}+ahead"][0].replay()
                 self._park(1 - slot)
             if self._slot_done is not None:

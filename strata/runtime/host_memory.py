@@ -155,23 +155,29 @@ def tables_to_device(w: Weights, device: torch.device | str, progress: bool = Fa
     """w with every PLE table as one tensor in `device`'s memory (`one_tensor`), refusing, before any copy, a
     device that is not a GPU or has too little free memory for them."""
     device = torch.device(device)
-    tables = {name: t for name, t in w.tensors.items() if name.endswith("ple.table")}
-    if not tables:
+    need = sum(t.nbytes for t in ple_tables(w))
+    if not need:
         return w
-    need = sum(t.nbytes for t in tables.values())
     if device.type != "cuda":
         raise StrataError(f"--ple-table device keeps the PLE tables in a GPU's memory; the model runs on {device}")
     free, _ = torch.cuda.mem_get_info(device)
     if need > free:
         raise StrataError(f"--ple-table device: the PLE tables need {need / 2**30:.1f} GiB on {device}, "
                           f"{free / 2**30:.1f} GiB is free beside the model; use --ple-table resident or mapped")
+    return _tables_replaced(w, "PLE tables to the GPU", progress, lambda t, done: one_tensor(t, device, done))
+
+
+def _tables_replaced(w: Weights, desc: str, progress: bool, make) -> Weights:  # noqa: ANN001 - (table, done) -> table
+    """w with each PLE table replaced by `make(table, done)`, which calls `done(bytes)` as it copies (a progress
+    bar over all the tables' bytes, `desc`)."""
     from tqdm import tqdm
 
     tensors = dict(w.tensors)
-    with tqdm(total=need, desc="PLE tables to the GPU", unit="B", unit_scale=True, disable=not progress,
-              leave=False) as bar:
-        for name, t in tables.items():
-            tensors[name] = one_tensor(t, device, bar.update)
+    with tqdm(total=sum(t.nbytes for t in ple_tables(w)), desc=desc, unit="B", unit_scale=True,
+              disable=not progress, leave=False) as bar:
+        for name, t in w.tensors.items():
+            if name.endswith("ple.table"):
+                tensors[name] = make(t, bar.update)
     return Weights(w.cfg, tensors, w.gdn_value_order, w.source, w.unknown)
 
 
@@ -212,10 +218,9 @@ def tables_to_pinned(w: Weights, device: torch.device | str, progress: bool = Fa
     (`one_tensor` on the host, then `page_lock`): a decode step on that GPU gathers its rows itself. Refused,
     before any copy, off a GPU or where the tables exceed the memory the system reports available."""
     device = torch.device(device)
-    tables = {name: t for name, t in w.tensors.items() if name.endswith("ple.table")}
-    if not tables:
+    need = sum(t.nbytes for t in ple_tables(w))
+    if not need:
         return w
-    need = sum(t.nbytes for t in tables.values())
     if device.type != "cuda":
         raise StrataError(f"--ple-table pinned keeps the PLE tables in host memory a GPU reads; the model runs on "
                           f"{device}")
@@ -223,15 +228,13 @@ def tables_to_pinned(w: Weights, device: torch.device | str, progress: bool = Fa
     if avail is not None and need > avail:
         raise StrataError(f"--ple-table pinned: the PLE tables need {need / 2**30:.1f} GiB of host memory, "
                           f"{avail / 2**30:.1f} GiB is available; use --ple-table mapped")
-    from tqdm import tqdm
 
-    tensors = dict(w.tensors)
-    with tqdm(total=need, desc="PLE tables into page-locked memory", unit="B", unit_scale=True,
-              disable=not progress, leave=False) as bar:
-        for name, t in tables.items():
-            tensors[name] = one_tensor(t, torch.device("cpu"), bar.update)
-            page_lock(raw_rows(tensors[name]), name)
-    return Weights(w.cfg, tensors, w.gdn_value_order, w.source, w.unknown)
+    def locked(t: StoredTensor, done) -> StoredTensor:  # noqa: ANN001 - done: (bytes) -> None
+        one = one_tensor(t, torch.device("cpu"), done)
+        page_lock(raw_rows(one), t.name)
+        return one
+
+    return _tables_replaced(w, "PLE tables into page-locked memory", progress, locked)
 
 
 def plan(w: Weights, mode: str = "auto") -> tuple[str, int, int | None]:
