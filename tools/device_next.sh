@@ -2,12 +2,14 @@
 # What the sessions of 2026-12-06 measured on H100s only, for an H200 (the target's card), in one run and in order
 # of need (what a run cut short wrote still comes back): the GPU checks of the kernels changed since the last H200
 # run (the bit-for-bit PDL check; with FIXTURES, a copy of ../shared/fixtures/qwen4exp-tiny carried into the tree,
-# the model check against the CPU reference), the decode bench at 4K and 128K (the 128K state does not
-# fit an H100 beside the model; the PLE table held in memory, --ple-table auto; then with the tables in the GPU's
-# memory, --ple-table device, where the step hashes and gathers the rows itself), the host's PLE row gather by page
-# mapping (tools/host_pages_lab.py), then the routed GLU's stacks and the head as stored (tile-major) against their
-# row-major twins in the 4K step (tools/step_variants.py row-major:T), and the routed-expert launches alone
-# (tools/moe_lab.py). Writes JSON under OUT (default ./device-out), named as bench/results names them. ~8 minutes.
+# the model check against the CPU reference, with the tables on the GPU, page-locked, and run ahead), the decode
+# bench at 4K and 128K (the 128K state does not fit an H100 beside the model; the PLE table held in memory,
+# --ple-table auto; then with the tables in the GPU's memory, --ple-table device, where the step hashes and gathers
+# the rows itself and runs ahead of the host, timed against one id at a time in the same process), the host's PLE
+# row gather by page mapping (tools/host_pages_lab.py), then the routed GLU's stacks and the head as stored
+# (tile-major) against their row-major twins in the 4K step (tools/step_variants.py row-major:T), and the
+# routed-expert launches alone (tools/moe_lab.py). Writes JSON under OUT (default ./device-out), named as
+# bench/results names them. ~8 minutes.
 #
 #   tools/device_next.sh COMMIT [FIXTURES]
 set -uo pipefail  # no -e: a failed step is reported and the next one still runs
