@@ -151,36 +151,20 @@ class Engine:
             state.decode_step = DecodeStep(self.model, self.context, state=state)
         return state.decode_step
 
-    @torch.inference_mode()
-    def decode_token(self, token: int, state: SequenceState, draw: DeviceDraw | None = None,
-                     restart: bool = False) -> int | None:
-        """One token through the captured step, and the next token chosen inside it on the device: the argmax,
-        or a draw with `draw` (`restart` reloads its parameters and seed: pass it on a request's first decode).
-        Only the chosen id comes back to the host. None when `state` does not decode through a captured step:
-        the caller then samples the logits of `decode`."""
-        t = self.check_ids([token])
-        step = self._choosing_step(state, draw, restart)
-        return None if step is None else step.next_token_id(int(t[0]), sampled=draw is not None)
-
     def decode_ahead(self, token: int, state: SequenceState, draw: DeviceDraw | None = None,
                      ) -> Iterator[int] | None:
-        """The ids that follow `token`, each chosen on the device as `decode_token` chooses it (a draw restarts
-        with `draw`'s parameters and seed), the step for the next id running while the host handles the current
-        one where the captured step can feed itself (`DecodeStep.ids_ahead`). When the caller stops asking,
-        `state` holds every id it was given (`state.tokens`), the last one included; the ids end with the one
-        chosen at the state's last position. None where `decode_token` would return None."""
+        """The ids that follow `token`, each chosen inside the captured step on the device (the argmax, or a
+        draw with `draw`'s parameters and seed); only the ids come back to the host, and the step for the next id
+        runs while the host handles the current one where the step can feed itself (`DecodeStep.ids_ahead`).
+        When the caller stops asking, `state` holds every id it was given (`state.tokens`), the last one
+        included; the ids end with the one chosen at the state's last position. None when `state` does not
+        decode through a captured step, or for a draw off CUDA (the draw kernel runs compiled on CUDA only): the
+        caller then samples the logits of `decode`."""
         t = self.check_ids([token])
-        step = self._choosing_step(state, draw, restart=True)
-        return None if step is None else step.ids_ahead(int(t[0]), sampled=draw is not None)
-
-    def _choosing_step(self, state: SequenceState, draw: DeviceDraw | None, restart: bool) -> DecodeStep | None:
-        """The captured step that chooses the next id on the device for `state` (its sampler configured with
-        `draw` on `restart`), or None where there is none: a state without fixed capacity, or a draw off CUDA
-        (the draw kernel runs compiled on CUDA only)."""
         if not (self.graphs and state.fixed_capacity(self.context)) or (draw is not None and
                                                                          self.device.type != "cuda"):
             return None
         step = self._decode_step(state)
-        if draw is not None and restart:
+        if draw is not None:
             step.sampler.configure(draw.temperature, draw.top_k, draw.top_p, draw.min_p, draw.seed)
-        return step
+        return step.ids_ahead(int(t[0]), sampled=draw is not None)

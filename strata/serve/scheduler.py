@@ -116,18 +116,6 @@ class _JobEngine:
         self._job.generated += 1
         return self._steered(logits)
 
-    def decode_token(self, token: int, state: SequenceState, draw: DeviceDraw | None = None,
-                     restart: bool = False) -> int | None:
-        """The engine's on-device choice, unless a steer hook needs the logits (then None: use `decode`)."""
-        if self._steer is not None:
-            return None
-        self._check()
-        nxt = self._engine.decode_token(token, state, draw, restart)
-        if nxt is not None:
-            self._job.generated += 1
-            self._step += 1
-        return nxt
-
     def decode_ahead(self, token: int, state: SequenceState, draw: DeviceDraw | None = None,
                      ) -> Iterator[int] | None:
         """The engine's ids decoded ahead (unless a steer hook needs the logits), counted, and cancellable

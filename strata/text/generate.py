@@ -167,15 +167,8 @@ class Generation:
             ids.close()
 
     def _decode(self, token: int, state: SequenceState) -> int:
-        """The next token: chosen on the device inside the captured step when the request needs only the
-        logits and the engine decodes this state through one, else sampled here from the step's logits."""
-        p = self.params
-        if p.logits_free:
-            draw = None if p.is_greedy else DeviceDraw(p.temperature, p.top_k, p.top_p, p.min_p, self.sampler.seed)
-            nxt = self.engine.decode_token(token, state, draw, restart=self.timings.decode_tokens == 0)
-            if nxt is not None:
-                self.sampler.record(nxt)
-                return nxt
+        """The next token sampled here from the step's logits (where the ids are not chosen on the device,
+        `_decode_ahead`)."""
         return self.sampler.next_token(self.engine.decode(token, state))
 
     def run(self) -> Generation:
