@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from strata.errors import StrataError
+from strata.kernels import host_pages
 from strata.runtime import host_memory
 from strata.runtime.engine import Engine, load_weights
 
@@ -194,11 +195,11 @@ def test_pinned_mode_refuses_a_cpu_or_too_little_memory_then_locks_one_tensor_pe
     assert [c[0] for c in calls] == ["lock"] * len(names)
     for name in names:
         rows = raw_rows(pinned[name])
-        assert rows.is_contiguous() and host_memory.page_locked(rows) and host_memory.page_locked(rows[3:7])
+        assert rows.is_contiguous() and host_pages.page_locked(rows) and host_pages.page_locked(rows[3:7])
         assert torch.equal(rows, raw_rows(host_memory.one_tensor(w[name], torch.device("cpu"))))
-        assert not host_memory.page_locked(rows.clone())
+        assert not host_pages.page_locked(rows.clone())
     assert host_memory.plan(pinned, "pinned") == ("pinned", need, 10 * need)
     del pinned, rows
     gc.collect()
     assert sorted(c[0] for c in calls) == ["lock"] * len(names) + ["unlock"] * len(names)
-    assert not host_memory._LOCKED
+    assert not host_pages._LOCKED

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from strata.config import ModelConfig
 from strata.kernels import pdl
+from strata.kernels.host_pages import page_locked
 from strata.model.ple import NgramTables
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -152,8 +153,6 @@ def gather_supported(hist: torch.Tensor, table: torch.Tensor, tables: NgramTable
     """The layouts the gather kernel reads: hist (n,) int64, the table (rows, row bytes) and out (heads, row
     bytes) uint8, contiguous, and the geometry tensors on one device, which holds the table too or, for a GPU,
     reads it from page-locked host memory (`--ple-table pinned`)."""
-    from strata.runtime.host_memory import page_locked
-
     nh = tables.primes.numel()
     readable = table.device == hist.device or (hist.is_cuda and page_locked(table))
     return (hist.dtype == torch.int64 and hist.dim() == 1 and hist.is_contiguous()

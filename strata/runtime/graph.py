@@ -38,7 +38,7 @@ from strata.model.experts import experts_gather
 from strata.model.model import Carry, Model, StepInputs
 from strata.model.ops import Ops, linear_q8_ref
 from strata.model.ple import NgramTables
-from strata.runtime.host_memory import page_locked
+from strata.kernels.host_pages import page_locked
 from strata.runtime.state import SequenceState
 from strata.runtime.streams import CAPTURE_LANE, side_stream
 from strata.weights.tensor import raw_rows

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from strata.errors import StrataError
+from strata.kernels.host_pages import page_lock
 from strata.weights.quant_tensor import QuantTensor
 from strata.weights.schema import Weights
 from strata.weights.tensor import DenseTensor, StoredTensor, raw_rows
@@ -179,38 +180,6 @@ def _tables_replaced(w: Weights, desc: str, progress: bool, make) -> Weights:  #
             if name.endswith("ple.table"):
                 tensors[name] = make(t, bar.update)
     return Weights(w.cfg, tensors, w.gdn_value_order, w.source, w.unknown)
-
-
-_LOCKED: dict[int, int] = {}  # start -> bytes of the host ranges `page_lock` registered
-
-
-def page_lock(t: torch.Tensor, name: str) -> None:
-    """Page-lock a contiguous host tensor's memory and map it into the GPUs' address space (`cudaHostRegister`),
-    so kernels read it directly (over PCIe); it is unregistered when the tensor is freed."""
-    import weakref
-
-    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
-    try:
-        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
-    except Exception as e:  # noqa: BLE001 - any failure of the runtime call is reported the same way
-        raise StrataError(f"{name}: cannot page-lock the table's {nbytes / 2**30:.1f} GiB of host memory for the GPU "
-                          f"({e}); use --ple-table resident or mapped") from None
-    _LOCKED[ptr] = nbytes
-    weakref.finalize(t, _unlock, ptr)
-
-
-def _unlock(ptr: int) -> None:
-    _LOCKED.pop(ptr, None)
-    try:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-    except Exception:  # noqa: BLE001, S110 - at exit the CUDA context may already be gone
-        pass
-
-
-def page_locked(t: torch.Tensor) -> bool:
-    """Whether a host tensor's bytes lie in a range `page_lock` registered (so a GPU reads them directly)."""
-    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-    return t.device.type == "cpu" and any(p <= lo and hi <= p + n for p, n in _LOCKED.items())
 
 
 def tables_to_pinned(w: Weights, device: torch.device | str, progress: bool = False) -> Weights:
