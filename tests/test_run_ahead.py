@@ -21,16 +21,22 @@ from strata.weights.hf import load_hf
 from tests import reference
 
 
-@pytest.fixture(scope="module", params=["tiny", "nople"])
+@pytest.fixture(scope="module", params=["tiny", "hc4", "nople"])
 def engine(request, tmp_path_factory):
     folder = reference.save(reference.build(request.param), tmp_path_factory.mktemp(request.param))
     return Engine(load_hf(folder))
 
 
-def _step(engine: Engine, capacity: int) -> DecodeStep:
-    """A step that can run ahead: a model without PLE layers as it is, one with them gathering its rows itself."""
-    model = reference.with_device_tables(engine.model) if engine.cfg.ple else engine.model
-    step = DecodeStep(model, capacity=capacity, capture=False, ple_gather=True if engine.cfg.ple else None)
+def _step(engine: Engine, capacity: int, rows: str = "device") -> DecodeStep:
+    """A step that can run ahead: a model without PLE layers as it is; one with them gathering its rows itself
+    (`rows` "device": all of the step runs ahead), or split at its first PLE layer with the rows staged by the host
+    ("host": the front runs ahead)."""
+    if rows == "host" or not engine.cfg.ple:
+        step = DecodeStep(engine.model, capacity=capacity, capture=False)
+        assert step.tables is None and (step.split is not None or not engine.cfg.ple)
+    else:
+        step = DecodeStep(reference.with_device_tables(engine.model), capacity=capacity, capture=False,
+                          ple_gather=True)
     assert step.can_run_ahead
     return step
 
@@ -57,20 +63,25 @@ def test_feed_advances_the_inputs_as_the_host_stages_them(engine):
     assert len(step._starts) == len(engine.cfg.ple)
 
 
-def test_ids_ahead_equal_the_ids_read_one_by_one(engine):
+# (the model, where its PLE rows come from): "tiny"'s first layer is a PLE layer, so its step does not split
+RUN_AHEAD_CASES = [("tiny", "device"), ("hc4", "device"), ("hc4", "host"), ("nople", "device")]
+
+
+@pytest.mark.parametrize(("engine", "rows"), RUN_AHEAD_CASES, indirect=["engine"])
+def test_ids_ahead_equal_the_ids_read_one_by_one(engine, rows):
     """The ids run ahead are the greedy ids of `next_token_id`, past the indexer budget; afterwards the state
     holds every id yielded (the last one fed too), and the next step's logits equal those of a step that was
-    fed the same ids one by one."""
+    fed the same ids one by one (so a split step stopped after an id ran no layer on an id it did not give)."""
     cfg = engine.cfg
     n, k = 2 * cfg.selection_width + 3, 9
     prompt = _prompt(engine, n, 2)
-    one_by_one = _step(engine, capacity=64)
+    one_by_one = _step(engine, capacity=64, rows=rows)
     one_by_one.prefill(prompt)
     want, tok = [], 17
     for _ in range(k):
         tok = one_by_one.next_token_id(tok)
         want.append(tok)
-    ahead = _step(engine, capacity=64)
+    ahead = _step(engine, capacity=64, rows=rows)
     ahead.prefill(prompt)
     ids = ahead.ids_ahead(17)
     got = [next(ids) for _ in range(k)]
@@ -84,10 +95,11 @@ def test_ids_ahead_equal_the_ids_read_one_by_one(engine):
         assert torch.equal(mine.context, theirs.context)
 
 
-@pytest.mark.parametrize("ahead", [True, False])
+@pytest.mark.parametrize(("engine", "ahead"), [*RUN_AHEAD_CASES, ("tiny", None), ("hc4", None)], indirect=["engine"])
 def test_ids_ahead_end_at_the_capacity(engine, ahead):
     """The ids end with the one chosen at the last position, not fed: as many as `next_token_id` gives until
-    the state is full (then it refuses), and the same ids."""
+    the state is full (then it refuses), and the same ids, whether all of the step runs ahead, its front, or
+    none (host rows, one graph)."""
     prompt = _prompt(engine, 4, 3)
     one_by_one = _step(engine, capacity=8)
     one_by_one.prefill(prompt)
@@ -97,25 +109,25 @@ def test_ids_ahead_end_at_the_capacity(engine, ahead):
         want.append(tok)
     with pytest.raises(StrataError, match="capacity of 8"):
         one_by_one.next_token_id(tok)
-    step = _step(engine, capacity=8) if ahead else DecodeStep(engine.model, capacity=8, capture=False, split=True)
+    step = _step(engine, 8, ahead) if ahead else DecodeStep(engine.model, capacity=8, capture=False, split=False)
     step.prefill(prompt)
-    assert step.can_run_ahead == ahead or not engine.cfg.ple
+    assert step.can_run_ahead == bool(ahead) or not engine.cfg.ple
     got = list(step.ids_ahead(11))  # positions 4 (the id 11) .. 7 (the third id), then the fourth id
     assert got == want and len(got) == 4
     assert step.state.length == 8 and step.state.tokens[4:] == [11, *got[:3]]
 
 
-def test_without_device_rows_each_id_is_read_before_the_next_step(tmp_path):
-    """Where the host stages PLE rows, the step cannot feed itself: `ids_ahead` gives `next_token_id`'s ids, and
-    the last id yielded is not fed."""
-    engine = Engine(load_hf(reference.save(reference.build("hc4"), tmp_path)))
-    step = DecodeStep(engine.model, capacity=32, capture=False)
-    assert not step.can_run_ahead and step.split is not None
+@pytest.mark.parametrize("engine", ["hc4"], indirect=True)
+def test_without_device_rows_or_split_each_id_is_read_before_the_next_step(engine):
+    """Where the host stages PLE rows for a step of one graph, the step cannot feed itself: `ids_ahead` gives
+    `next_token_id`'s ids, and the last id yielded is not fed."""
+    step = DecodeStep(engine.model, capacity=32, capture=False, split=False)
+    assert not step.can_run_ahead and step.split is None and step.tables is None
     prompt = _prompt(engine, 5, 4)
     step.prefill(prompt)
     ids = step.ids_ahead(21)
     got = [next(ids) for _ in range(5)]
-    ref = DecodeStep(engine.model, capacity=32, capture=False)
+    ref = DecodeStep(engine.model, capacity=32, capture=False, split=False)
     ref.prefill(prompt)
     want, tok = [], 21
     for _ in range(5):

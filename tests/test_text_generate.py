@@ -250,23 +250,29 @@ def test_generation_stops_at_the_context_length() -> None:
 def test_greedy_choice_inside_the_static_step_equals_host_sampling(fixtures_dir: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """With a fixed-capacity state the greedy choice is the step's own argmax (only the id leaves the device);
-    a request that needs the logits (a penalty) still samples them on the host."""
+    a request that needs the logits (a penalty) still samples them on the host. The host stages the PLE rows
+    here, so the step splits at the first PLE layer and its front runs ahead, fed the previous choice on the
+    device."""
+    from strata.runtime import graph
+    from tests import reference
+
     prompt = json.loads((fixtures_dir / "prompt.json").read_text())["ids"]
     host = LLM(fixtures_dir / "hf")
     static = LLM(fixtures_dir / "hf")
     static.engine = Engine.load(fixtures_dir / "hf", graphs=True, context=len(prompt) + 16)
-    chosen = []
-    real = DecodeStep.next_token_id
-    monkeypatch.setattr(DecodeStep, "next_token_id", lambda self, *a, **k: (chosen.append(1), real(self, *a, **k))[1])
     greedy = SamplingParams(max_tokens=12, greedy=True)
     want = host.generate(prompt, greedy).token_ids
-    chosen.clear()
-    assert static.generate(prompt, greedy).token_ids == want
-    assert len(chosen) == 11  # every decode step chose on the device (one by one: the host stages PLE rows)
-    chosen.clear()
     penalised = SamplingParams(max_tokens=6, greedy=True, repetition_penalty=1.3)
-    assert static.generate(prompt, penalised).token_ids == host.generate(prompt, penalised).token_ids
-    assert not chosen
+    want_penalised = host.generate(prompt, penalised).token_ids
+    calls = reference.count_calls(monkeypatch, {"feed": (graph, "feed"), "first": (DecodeStep, "_run"),
+                                                "logits": (DecodeStep, "step")})
+    assert static.generate(prompt, greedy).token_ids == want
+    # the first decode is staged by the host; the front of the step for each of the 11 ids after it was fed
+    assert calls == {"feed": 11, "first": 1, "logits": 0}
+    assert static.engine._decode_step(static.engine.new_state()).split is not None
+    calls.update(dict.fromkeys(calls, 0))
+    assert static.generate(prompt, penalised).token_ids == want_penalised
+    assert calls["feed"] == 0 and calls["logits"] == 5
 
 
 def test_generation_runs_ahead_where_the_step_feeds_itself(fixtures_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -306,7 +312,7 @@ def test_generation_runs_ahead_where_the_step_feeds_itself(fixtures_dir: Path, m
     ahead.engine.model = reference.with_device_tables(ahead.engine.model)
     many = SamplingParams(max_tokens=50, greedy=True)
     with monkeypatch.context() as m:
-        m.setattr(DecodeStep, "__init__", functools.partialmethod(real_init, ple_gather=False))
+        m.setattr(DecodeStep, "__init__", functools.partialmethod(real_init, ple_gather=False, split=False))
         want_short = one_by_one.start(prompt, many).run()
     got_short = ahead.start(prompt, many).run()
     assert got_short.token_ids == want_short.token_ids and len(got_short.token_ids) == 7

@@ -4,8 +4,8 @@ For each model (the fixture HF checkpoint and GGUF files when present, and tiny 
 path (Triton kernels, float32 compute) against the CPU reference path (float32): prefill and decode logits
 within a tolerance, greedy tokens equal; the captured decode step equals the uncaptured one exactly, and so does
 the step that gathers its PLE rows on the GPU (`--ple-table device`, and from page-locked host memory: `pinned`)
-the host-staged one, and the steps run ahead of the host (`DecodeStep.ids_ahead`) the steps that read each id
-before the next.
+the host-staged one, and the steps run ahead of the host (`DecodeStep.ids_ahead`; all of the step with the tables
+on the GPU, the front of the split step with them on the host) the steps that read each id before the next.
 `--activations q8` runs both sides in the Q8-activation mode (the GPU's `gemv_q8x` kernels against the CPU's
 `linear_q8_ref`). The mode is discontinuous: an input within a few fp32 ulps of a rounding boundary lands on the
 other integer on the two sides, a step of 1/127 of its run's largest value, so on the quantized fixture GGUFs two
@@ -88,13 +88,15 @@ def compare(path: str, ids: list[int], steps: int = 16, activations: str = "floa
     ple_device_equal = ple_device_equals_host(w, ids, activations, [b, b2]) if gpu.cfg.ple else None
     ple_pinned_equal = ple_device_equals_host(w, ids, activations, [b, b2], "pinned") if gpu.cfg.ple else None
     ahead_equal = ahead_equals_one_by_one(w, ids, activations)
+    split_ahead_equal = ahead_equals_one_by_one(w, ids, activations, "resident") if gpu.cfg.ple else None
     return {"model": path, "activations": activations, "tokens": len(ids), "prefill_rel_err": prefill_err,
             "decode_rel_err": dec_err, "mode_rel_diff": mode_diff, "jitter_spread": spread, "tolerance": tol,
             "greedy_equal": seq_c == seq_g, "captured_equals_uncaptured": captured_equal,
             "ple_device_equals_host": ple_device_equal, "ple_pinned_equals_host": ple_pinned_equal,
-            "ahead_equals_one_by_one": ahead_equal,
+            "ahead_equals_one_by_one": ahead_equal, "split_ahead_equals_one_by_one": split_ahead_equal,
             "ok": prefill_err < tol and dec_err < tol and seq_c == seq_g and captured_equal
-            and ple_device_equal is not False and ple_pinned_equal is not False and ahead_equal}
+            and ple_device_equal is not False and ple_pinned_equal is not False and ahead_equal
+            and split_ahead_equal is not False}
 
 
 def ple_device_equals_host(w, ids: list[int], activations: str, host: list[torch.Tensor], mode: str = "device",
@@ -112,18 +114,23 @@ def ple_device_equals_host(w, ids: list[int], activations: str, host: list[torch
     return all(torch.equal(x, y) for x, y in zip(got, host, strict=True))
 
 
-def ahead_equals_one_by_one(w, ids: list[int], activations: str, tokens: int = 12) -> bool:
+def ahead_equals_one_by_one(w, ids: list[int], activations: str, ple_table: str = "device", tokens: int = 12,
+                            ) -> bool | None:
     """The captured steps run ahead of the host (`DecodeStep.ids_ahead`: each step's inputs fed on the device
-    from the previous choice; the PLE tables in the GPU's memory where the model has them) choose the ids that
-    the captured step chooses one id at a time, greedy and by a seeded device draw, and leave the same state:
-    the logits of one more step, after the one-by-one step is fed the last id too, are equal bit for bit."""
-    gpu = Engine(w, "float32", "cuda", activations=activations, ple_table="device" if w.cfg.ple else "auto")
+    from the previous choice; with the PLE tables in the GPU's memory all of the step, with them on the host
+    (`ple_table` "resident") the front of the split step) choose the ids that the captured step chooses one id
+    at a time, greedy and by a seeded device draw, and leave the same state: the logits of one more step, after
+    the one-by-one step is fed the last id too, are equal bit for bit. None where a host-table step does not
+    split (its first layer is a PLE layer)."""
+    gpu = Engine(w, "float32", "cuda", activations=activations, ple_table=ple_table if w.cfg.ple else "auto")
     for sampled in (False, True):
         seqs, nexts = [], []
         for ahead in (False, True):
             step = DecodeStep(gpu.model, capacity=len(ids) + tokens + 8, capture=True)
-            if not step.can_run_ahead:
-                raise AssertionError("the captured step cannot feed itself")
+            if ple_table == "resident" and w.cfg.ple and step.split is None:
+                return None
+            if not step.can_run_ahead or (ple_table == "resident" and step.tables is not None):
+                raise AssertionError(f"the captured step with the PLE tables {ple_table} cannot run ahead")
             if sampled:
                 step.sampler.configure(0.9, 20, 0.95, 0.0, 5)
             step.prefill(torch.tensor(ids[:-1]))
@@ -220,7 +227,7 @@ def main() -> int:
             rows.append({"model": m, "ok": False, "error": f"{type(e).__name__}: {e}",
                          "trace": traceback.format_exc()[-2000:]})
     print(f"{'model':<48}{'prefill':>10}{'decode':>10}{'tolerance':>11}{'greedy':>8}{'graph==eager':>14}"
-          f"{'ple device':>12}{'pinned':>8}{'ahead':>7}"
+          f"{'ple device':>12}{'pinned':>8}{'ahead':>7}{'split ahead':>13}"
           + (f"{'q8 vs float':>13}{'jitter':>10}" if args.activations != "float" else ""))
     for r in rows:
         if "error" in r:
@@ -229,7 +236,7 @@ def main() -> int:
             print(f"{Path(r['model']).name:<48}{r['prefill_rel_err']:>10.2e}{r['decode_rel_err']:>10.2e}"
                   f"{r['tolerance']:>11.1e}{str(r['greedy_equal']):>8}{str(r['captured_equals_uncaptured']):>14}"
                   f"{str(r.get('ple_device_equals_host')):>12}{str(r.get('ple_pinned_equals_host')):>8}"
-                  f"{str(r.get('ahead_equals_one_by_one')):>7}"
+                  f"{str(r.get('ahead_equals_one_by_one')):>7}{str(r.get('split_ahead_equals_one_by_one')):>13}"
                   + (f"{r['mode_rel_diff']:>13.2e}" if r.get("mode_rel_diff") is not None else "")
                   + (f"{r['jitter_spread']:>10.2e}" if r.get("jitter_spread") is not None else ""))
     if args.out:

@@ -21,7 +21,10 @@ starts by advancing its own inputs on the device from the id the previous step c
 each n-gram history shifted by that id: `feed_ref`, one launch on a GPU), so the host launches the step for the
 next token before it reads the current one, and the GPU never waits for the host's read, its bookkeeping or the
 caller's use of the token. The cost: when the caller stops, the step for the last token read has already run, so
-the state holds that token too (`state.tokens` says so).
+the state holds that token too (`state.tokens` says so). A split step runs its front ahead the same way: the host
+launches the front of the next step (fed from the previous choice) before it reads the current id, then stages
+that id's rows and launches the rest, so the device runs the front while the host reads, stages and launches,
+and the id's read is off the token's critical path as well.
 """
 
 from __future__ import annotations
@@ -143,7 +146,8 @@ class DecodeStep:
         self._host = torch.zeros(size, dtype=torch.uint8, pin_memory=pin)
         self._host_ints = self._host[:16].view(torch.int64).numpy()  # [id, position], written without torch ops
         self._ints = self._packed.view(torch.int64)  # the same inputs as int64: what a step run ahead advances
-        self._starts = tuple(offsets[i] // 8 for i in cfg.ple)  # each PLE layer's input in `_ints`
+        # each PLE layer's n-gram history in `_ints`, where the step gathers its rows (a feed shifts them)
+        self._starts = tuple(offsets[i] // 8 for i in cfg.ple) if self.tables is not None else ()
 
         def view(buf: torch.Tensor, i: int) -> torch.Tensor:
             f = forms[i]
@@ -172,6 +176,7 @@ class DecodeStep:
         self._carry: dict[str, Carry] = {}  # the front graph's outputs, which the rest reads
         # recorded after the last copy or replay that reads the page-locked buffer
         self._copied: torch.cuda.Event | None = None
+        self._read_done: torch.cuda.Event | None = None  # the event `_host_read` records
         self.outs: dict[str, tuple[torch.Tensor, ...]] = {}
         self._sampler = None
         # Running ahead: the id a step chose, read by the next step's feed (the steps run ahead write it there),
@@ -184,9 +189,10 @@ class DecodeStep:
 
     @property
     def can_run_ahead(self) -> bool:
-        """Whether the step's inputs can be advanced on the device (`ids_ahead`): one graph, and no PLE rows the
-        host must stage (the model has no PLE layer, or the step gathers the rows itself)."""
-        return self.split is None and (self.tables is not None or not self.model.cfg.ple)
+        """Whether `ids_ahead` launches a step before the host reads the previous id: all of it where no PLE rows
+        need the host (the model has no PLE layer, or the step gathers the rows itself), else the front of a
+        split step (the layers before the first PLE layer; the rest waits for the host's rows)."""
+        return self.split is not None or self.tables is not None or not self.model.cfg.ple
 
     def _device_tables(self, want: bool | None) -> dict[int, tuple[torch.Tensor, NgramTables]] | None:
         """Each PLE layer's table rows as one uint8 tensor the model's device reads (on it, or for a GPU in
@@ -264,8 +270,18 @@ class DecodeStep:
         """The step; `ahead`: run ahead, its inputs advanced from `_chosen` first and its choice written there."""
         if not ahead:
             return self._rest(self._front(), kind)
+        return self._rest(self._fed_front(), kind, self._chosen)
+
+    def _fed_front(self) -> Carry:
+        """`_front` of a step run ahead: its id, position and n-gram histories fed from `_chosen` first."""
         feed(self._ints, self._chosen, self._starts, self.model.cfg.ngram_size)
-        return self._rest(self._front(), kind, self._chosen)
+        return self._front()
+
+    def _copy_rows(self) -> None:
+        """The staged PLE rows copied from the page-locked buffer to the static inputs (not the id and position,
+        which a split step run ahead fed itself)."""
+        if self._packed.numel() > 16:
+            self._packed[16:].copy_(self._host[16:], non_blocking=True)
 
     def _ready(self) -> None:
         """Before staging a token: room in the state, and the previous token's copies out of the page-locked
@@ -337,8 +353,9 @@ class DecodeStep:
     def _host_read(self) -> None:
         """After the copy or the replays that read the page-locked buffer: the event the next token's `_ready`
         waits on before it rewrites the buffer."""
-        self._copied = self._copied or torch.cuda.Event()
-        self._copied.record()
+        self._read_done = self._read_done or torch.cuda.Event()
+        self._read_done.record()
+        self._copied = self._read_done
 
     def replay(self, kind: str = "logits") -> None:
         """Replay the captured step's graphs on the inputs already staged (benchmarks: no host work)."""
@@ -380,6 +397,9 @@ class DecodeStep:
                 yield token
                 if self.state.length >= self.capacity:
                     return
+        if self.split is not None:
+            yield from self._ids_front_ahead(token, kind)
+            return
         self._chosen.copy_(self._run(token, kind, record=False)[1].reshape(()))
         slot = 0
         self._park(slot)
@@ -402,6 +422,42 @@ class DecodeStep:
             self.model.fed(token, self.state)
             yield token
             slot = 1 - slot
+
+    def _ids_front_ahead(self, token: int, kind: str) -> Iterator[int]:
+        """`ids_ahead` of a split step: the front of the step for the id not yet read is launched first (fed on
+        the device), then the host reads the id, stages its rows and launches the rest. The front of the step
+        after is launched only when the caller asks for the next id, so a caller that stops leaves no layer fed an
+        id it was not given."""
+        self._chosen.copy_(self._run(token, kind, record=False)[1].reshape(()))
+        slot = 0
+        self._park(slot)
+        name = f"{kind}+ahead"
+        while True:
+            ahead = self.state.length < self.capacity
+            if ahead:
+                if not self.capture:
+                    carry = self._fed_front()
+                else:
+                    if name not in self.graphs:
+                        self._capture(kind, ahead=True)
+                    self.graphs[name][0].replay()
+            if self._slot_done is not None:
+                self._slot_done[slot].synchronize()
+            token = int(self._slot_ids[slot])
+            if not ahead:  # chosen at the last position: nowhere to feed it
+                yield token
+                return
+            self.model.stage_token(token, self.state, self._host_ple)
+            if not self.capture:
+                self._copy_rows()
+                self._rest(carry, kind, self._chosen)
+            else:
+                self.graphs[name][1].replay()
+            slot = 1 - slot
+            self._park(slot)
+            # the next staging of rows (here, or a step the caller runs next) waits for this step's copy of them
+            self._copied = self._slot_done[slot] if self._slot_done is not None else None
+            yield token
 
     def _park(self, slot: int) -> None:
         """The chosen id copied into a host slot, the slot's event recorded after the copy."""
@@ -427,7 +483,15 @@ class DecodeStep:
         # Each graph starts with the copy of its inputs out of the page-locked buffer (a memcpy node: the bytes are
         # read when the replay reaches it), so no copy call is left on the host per token; a step run ahead with
         # its feed instead.
-        if ahead:
+        if ahead and self.split is not None:  # the front fed from the previous choice; the rest copies the rows
+            front, rest = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(front, stream=side):
+                self._carry[f"{kind}+ahead"] = self._fed_front()
+            with torch.cuda.graph(rest, stream=side):
+                self._copy_rows()
+                self.outs[f"{kind}+ahead"] = self._rest(self._carry[f"{kind}+ahead"], kind, self._chosen)
+            self.graphs[f"{kind}+ahead"] = (front, rest)
+        elif ahead:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=side):
                 self.outs[f"{kind}+ahead"] = self._compute(kind, ahead=True)
@@ -444,8 +508,7 @@ class DecodeStep:
                 self._packed[:16].copy_(self._host[:16], non_blocking=True)
                 self._carry[kind] = self._front()
             with torch.cuda.graph(rest, stream=side):
-                if self._packed.numel() > 16:
-                    self._packed[16:].copy_(self._host[16:], non_blocking=True)
+                self._copy_rows()
                 self.outs[kind] = self._rest(self._carry[kind], kind)
             self.graphs[kind] = (front, rest)
         self._restore(snapshot, offset, inputs)
