@@ -397,67 +397,54 @@ class DecodeStep:
                 yield token
                 if self.state.length >= self.capacity:
                     return
-        if self.split is not None:
-            yield from self._ids_front_ahead(token, kind)
-            return
+        # A split step launches the front ahead and the rest once the host has staged the id's rows; the front
+        # of the step after is launched only when the caller asks for the next id, so a caller that stops leaves
+        # no layer fed an id it was not given.
+        split = self.split is not None
         self._chosen.copy_(self._run(token, kind, record=False)[1].reshape(()))
         slot = 0
         self._park(slot)
+        carry = None
         while True:
             ahead = self.state.length < self.capacity
-            if ahead:  # the step for the id not yet read
-                if not self.capture:
-                    self._compute(kind, ahead=True)
-                else:
-                    if f"{kind}+ahead" not in self.graphs:
-                        self._capture(kind, ahead=True)
-                    self.graphs[f"{kind}+ahead"][0].replay()
-                self._park(1 - slot)
+            if ahead:  # the step (split: its front) for the id not yet read
+                carry = self._launch_ahead(kind, 0)
+                if not split:
+                    self._park(1 - slot)
             if self._slot_done is not None:
                 self._slot_done[slot].synchronize()
             token = int(self._slot_ids[slot])
             if not ahead:  # chosen at the last position: nowhere to feed it
                 yield token
                 return
-            self.model.fed(token, self.state)
+            if split:
+                self.model.stage_token(token, self.state, self._host_ple)
+                self._launch_ahead(kind, 1, carry)
+                self._park(1 - slot)
+                # the next staging of rows (here, or a step the caller runs next) waits for the rest's copy of them
+                self._copied = self._slot_done[1 - slot] if self._slot_done is not None else None
+            else:
+                self.model.fed(token, self.state)
             yield token
             slot = 1 - slot
 
-    def _ids_front_ahead(self, token: int, kind: str) -> Iterator[int]:
-        """`ids_ahead` of a split step: the front of the step for the id not yet read is launched first (fed on
-        the device), then the host reads the id, stages its rows and launches the rest. The front of the step
-        after is launched only when the caller asks for the next id, so a caller that stops leaves no layer fed an
-        id it was not given."""
-        self._chosen.copy_(self._run(token, kind, record=False)[1].reshape(()))
-        slot = 0
-        self._park(slot)
+    def _launch_ahead(self, kind: str, part: int, carry: Carry | None = None) -> Carry | None:
+        """Launch part 0 of a step run ahead (all of it, or a split step's front: returns the front's carry where
+        the step runs eagerly) or part 1 (a split step's rest, on `carry`), capturing its graphs first."""
         name = f"{kind}+ahead"
-        while True:
-            ahead = self.state.length < self.capacity
-            if ahead:
-                if not self.capture:
-                    carry = self._fed_front()
-                else:
-                    if name not in self.graphs:
-                        self._capture(kind, ahead=True)
-                    self.graphs[name][0].replay()
-            if self._slot_done is not None:
-                self._slot_done[slot].synchronize()
-            token = int(self._slot_ids[slot])
-            if not ahead:  # chosen at the last position: nowhere to feed it
-                yield token
-                return
-            self.model.stage_token(token, self.state, self._host_ple)
-            if not self.capture:
-                self._copy_rows()
-                self._rest(carry, kind, self._chosen)
-            else:
-                self.graphs[name][1].replay()
-            slot = 1 - slot
-            self._park(slot)
-            # the next staging of rows (here, or a step the caller runs next) waits for this step's copy of them
-            self._copied = self._slot_done[slot] if self._slot_done is not None else None
-            yield token
+        if self.capture:
+            if name not in self.graphs:
+                self._capture(kind, ahead=True)
+            self.graphs[name][part].replay()
+            return None
+        if self.split is None:
+            self._compute(kind, ahead=True)
+            return None
+        if part == 0:
+            return self._fed_front()
+        self._copy_rows()
+        self._rest(carry, kind, self._chosen)
+        return None
 
     def _park(self, slot: int) -> None:
         """The chosen id copied into a host slot, the slot's event recorded after the copy."""
