@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# What the sessions of 2026-12-06 measured on H100s only, for an H200 (the target's card), in one run and in order
-# of need (what a run cut short wrote still comes back): the GPU checks of the kernels changed since the last H200
-# run (the bit-for-bit PDL check; with FIXTURES, a copy of ../shared/fixtures/qwen4exp-tiny carried into the tree,
-# the model check against the CPU reference, with the tables on the GPU, page-locked, and run ahead), the decode
+# The full GPU run for an H200 (the target's card), in one run and in order of need (what a run cut short wrote
+# still comes back): the GPU checks (the bit-for-bit PDL check; with FIXTURES, a copy of
+# ../shared/fixtures/qwen4exp-tiny carried into the tree, the model check against the CPU reference, with the tables
+# on the GPU, page-locked, and run ahead, whole or the split step's front), the decode
 # bench at 4K and 128K (the 128K state does not fit an H100 beside the model; the PLE table held in memory,
 # --ple-table auto; then with the tables in the GPU's memory, --ple-table device, where the step hashes and gathers
 # the rows itself and runs ahead of the host, timed against one id at a time in the same process), the host's PLE
