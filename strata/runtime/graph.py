@@ -468,36 +468,29 @@ class DecodeStep:
                 self._restore(snapshot, offset, inputs)
         torch.cuda.current_stream().wait_stream(side)
         # Each graph starts with the copy of its inputs out of the page-locked buffer (a memcpy node: the bytes are
-        # read when the replay reaches it), so no copy call is left on the host per token; a step run ahead with
-        # its feed instead.
-        if ahead and self.split is not None:  # the front fed from the previous choice; the rest copies the rows
-            front, rest = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(front, stream=side):
-                self._carry[f"{kind}+ahead"] = self._fed_front()
-            with torch.cuda.graph(rest, stream=side):
-                self._copy_rows()
-                self.outs[f"{kind}+ahead"] = self._rest(self._carry[f"{kind}+ahead"], kind, self._chosen)
-            self.graphs[f"{kind}+ahead"] = (front, rest)
-        elif ahead:
+        # read when the replay reaches it), so no copy call is left on the host per token; a step run ahead feeds
+        # its id and position itself (a split one still copies its rows).
+        name = f"{kind}+ahead" if ahead else kind
+        chosen = self._chosen if ahead else None  # a step run ahead writes its choice where the next feed reads it
+        if self.split is None:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=side):
-                self.outs[f"{kind}+ahead"] = self._compute(kind, ahead=True)
-            self.graphs[f"{kind}+ahead"] = (graph,)
-        elif self.split is None:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=side):
-                self._packed.copy_(self._host, non_blocking=True)
-                self.outs[kind] = self._compute(kind)
-            self.graphs[kind] = (graph,)
+                if not ahead:
+                    self._packed.copy_(self._host, non_blocking=True)
+                self.outs[name] = self._compute(kind, ahead)
+            self.graphs[name] = (graph,)
         else:  # each graph has its own memory pool, so the rest's buffers never alias the front's outputs
             front, rest = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             with torch.cuda.graph(front, stream=side):
-                self._packed[:16].copy_(self._host[:16], non_blocking=True)
-                self._carry[kind] = self._front()
+                if ahead:
+                    self._carry[name] = self._fed_front()
+                else:
+                    self._packed[:16].copy_(self._host[:16], non_blocking=True)
+                    self._carry[name] = self._front()
             with torch.cuda.graph(rest, stream=side):
                 self._copy_rows()
-                self.outs[kind] = self._rest(self._carry[kind], kind)
-            self.graphs[kind] = (front, rest)
+                self.outs[name] = self._rest(self._carry[name], kind, chosen)
+            self.graphs[name] = (front, rest)
         self._restore(snapshot, offset, inputs)
 
     def _restore(self, snapshot: SequenceState, offset: torch.Tensor | None = None,
