@@ -1,0 +1,167 @@
+"""How fast can a Triton launch read the step's GEMV sizes at all? (run on the device box)
+
+The step's GEMVs take 2-3 times their bytes' floor (the routed GLU's 18.4 MB in ~13.7 us, the HC read's 2 x 6.5 MB
+in ~10 us) and are latency-bound: less than a wave of programs, one eligible warp per scheduler, stalled on L1TEX
+scoreboards. This lab asks what bounds that from above, with no dequantisation at all: 48 launches back to back in
+a CUDA graph (each its own buffer, so L2 is cold), each reading one buffer of a step's size and summing it:
+
+* `torch`: `torch.sum` over the buffer as int32 (a tuned multi-pass reduction);
+* `regs TILE/W`: one program per TILE int32 values, all its loads issued at once into registers (the row-register
+  GEMVs' pattern), W warps;
+* `regs-loop P/TILE`: P programs a SM, each looping over tiles (registers);
+* `tma P/BM/S`: P programs a SM, each looping over [BM, 256] int32 tiles fetched by bulk (TMA) copies into shared
+  memory through a host tensor descriptor, S stages in flight (Triton's software pipelining);
+* `gemv-*`: the same two forms as a BF16 GEMV (rows x 2560, y = W x), to see what the arithmetic adds.
+
+If the TMA reads reach far more of the copy bandwidth than the register reads at these sizes, GEMVs fed by bulk
+copies are worth building; if not, the launches' ~fixed cost is the memory system's, not the load pattern's.
+
+    python tools/read_lab.py --out read-lab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from strata.runtime.bench import copy_bandwidth, git_commit  # noqa: E402
+from tools.gpu_check_gemv import time_graph  # noqa: E402
+
+LAYERS = 48
+SIZES = {"hc 6.5 MB": 320 * 10240 * 2, "glu 18.4 MB": 12800 * 1440, "qkvz 44.7 MB": 16432 * 2720}
+COLS = 256  # int32 values per TMA row: 1 KB, the widest box a descriptor allows
+
+
+@triton.jit
+def _read_regs(src, out, n, TILE: tl.constexpr):
+    p = tl.program_id(0)
+    offs = p * TILE + tl.arange(0, TILE)
+    v = tl.load(src + offs, mask=offs < n, other=0)
+    tl.store(out + p, tl.sum(v, axis=0))
+
+
+@triton.jit
+def _read_regs_loop(src, out, n, ntiles, TILE: tl.constexpr):
+    p = tl.program_id(0)
+    acc = tl.zeros([TILE], tl.int32)
+    for t in range(p, ntiles, tl.num_programs(0)):
+        offs = t * TILE + tl.arange(0, TILE)
+        acc += tl.load(src + offs, mask=offs < n, other=0)
+    tl.store(out + p, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _read_tma(desc, out, ntiles, BM: tl.constexpr, STAGES: tl.constexpr):
+    p = tl.program_id(0)
+    acc = tl.zeros([BM, 256], tl.int32)
+    for t in tl.range(p, ntiles, tl.num_programs(0), num_stages=STAGES):
+        acc += desc.load([t * BM, 0])
+    tl.store(out + p, tl.sum(tl.sum(acc, axis=1), axis=0))
+
+
+@triton.jit
+def _gemv_regs(w, x, y, K: tl.constexpr, BR: tl.constexpr):
+    p = tl.program_id(0)
+    r = p * BR + tl.arange(0, BR)
+    k = tl.arange(0, K)
+    wt = tl.load(w + r[:, None] * K + k[None, :])
+    xv = tl.load(x + k)
+    tl.store(y + r, tl.sum(wt.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1))
+
+
+@triton.jit
+def _gemv_tma(desc, x, y, nblocks, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+    """Persistent programs over row blocks; each block's K loop in BK steps through a descriptor."""
+    p = tl.program_id(0)
+    for b in range(p, nblocks, tl.num_programs(0)):
+        acc = tl.zeros([BR, BK], tl.float32)
+        for kk in tl.range(0, K, BK, num_stages=STAGES):
+            wt = desc.load([b * BR, kk])
+            xv = tl.load(x + kk + tl.arange(0, BK))
+            acc += wt.to(tl.float32) * xv.to(tl.float32)[None, :]
+        tl.store(y + b * BR + tl.arange(0, BR), tl.sum(acc, axis=1))
+
+
+def main() -> int:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--commit", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    bw = copy_bandwidth(dev)
+    rows: list[dict] = []
+
+    def case(size: str, what: str, calls: list, nbytes: int) -> None:
+        try:
+            s = time_graph(calls)
+        except Exception as e:  # a variant Triton cannot compile here is a row, not the end of the lab
+            print(f"{size:<14}{what:<24} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            rows.append({"size": size, "launch": what, "error": f"{type(e).__name__}: {str(e)[:400]}"})
+            return
+        rows.append({"size": size, "launch": what, "us": s * 1e6, "bytes": nbytes, "fraction_of_copy": nbytes / s / bw})
+        print(f"{size:<14}{what:<24}{s * 1e6:>9.2f} us{nbytes / s / bw:>8.2f} of copy", flush=True)
+
+    for size, nbytes in SIZES.items():
+        n = nbytes // 4
+        nrows = -(-n // COLS)
+        bufs = [torch.randint(-2**31, 2**31 - 1, (nrows * COLS,), dtype=torch.int32, device=dev)
+                for _ in range(LAYERS)]
+        out = torch.empty(sms * 64 + n // 1024 + 1, dtype=torch.int32, device=dev)
+        case(size, "torch", [lambda b=b: b.sum() for b in bufs], nbytes)
+        for tile, warps in ((2048, 4), (4096, 4), (4096, 8), (8192, 8)):
+            grid = (-(-n // tile),)
+            case(size, f"regs {tile}/{warps}",
+                 [lambda b=b, g=grid, t=tile, w=warps: _read_regs[g](b, out, n, TILE=t, num_warps=w) for b in bufs],
+                 nbytes)
+        for per_sm, tile in ((2, 4096), (4, 2048)):
+            grid = (sms * per_sm,)
+            case(size, f"regs-loop {per_sm}/{tile}",
+                 [lambda b=b, g=grid, t=tile: _read_regs_loop[g](b, out, n, -(-n // t), TILE=t, num_warps=4)
+                  for b in bufs], nbytes)
+        for per_sm, bm, stages in ((1, 16, 4), (1, 32, 4), (2, 16, 3), (2, 16, 4), (1, 64, 3), (4, 8, 4)):
+            descs = [TensorDescriptor.from_tensor(b.view(nrows, COLS), [bm, COLS]) for b in bufs]
+            ntiles = -(-nrows // bm)
+            grid = (sms * per_sm,)
+            case(size, f"tma {per_sm}/{bm}/{stages}",
+                 [lambda d=d, g=grid, nt=ntiles, m=bm, s=stages: _read_tma[g](d, out, nt, BM=m, STAGES=s, num_warps=4)
+                  for d in descs], nbytes)
+        del bufs
+    # A BF16 GEMV of the routed GLU's bytes: 3584 x 2560 (18.4 MB).
+    k_dim, n_rows = 2560, 3584
+    ws = [torch.randn(n_rows, k_dim, device=dev).to(torch.bfloat16) for _ in range(LAYERS)]
+    x = torch.randn(k_dim, device=dev).to(torch.bfloat16)
+    y = torch.empty(n_rows, device=dev)
+    nbytes = n_rows * k_dim * 2
+    ref = ws[0].float() @ x.float()
+    for br in (1, 2, 4):
+        case("gemv 18.4 MB", f"gemv-regs {br}",
+             [lambda w=w, b=br: _gemv_regs[(n_rows // b,)](w, x, y, K=k_dim, BR=b, num_warps=4) for w in ws], nbytes)
+    for per_sm, br, bk, stages in ((1, 8, 256, 4), (2, 8, 256, 3), (1, 16, 256, 4), (2, 4, 256, 4), (4, 4, 128, 4)):
+        descs = [TensorDescriptor.from_tensor(w, [br, bk]) for w in ws]
+        grid = (sms * per_sm,)
+        call = [lambda d=d, g=grid, b=br, kb=bk, s=stages: _gemv_tma[g](d, x, y, n_rows // b, K=k_dim, BR=b, BK=kb,
+                                                                     STAGES=s, num_warps=4) for d in descs]
+        case("gemv 18.4 MB", f"gemv-tma {per_sm}/{br}/{bk}/{stages}", call, nbytes)
+        if rows[-1].get("us"):
+            call[0]()
+            rows[-1]["max_abs_err"] = float((y - ref).abs().max())
+    result = {"commit": args.commit or git_commit(), "gpu": torch.cuda.get_device_name(dev),
+              "triton": triton.__version__, "copy_bandwidth_Bps": bw, "layers": LAYERS, "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
