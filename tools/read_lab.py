@@ -11,7 +11,8 @@ a CUDA graph (each its own buffer, so L2 is cold), each reading one buffer of a 
 * `regs-loop P/TILE`: P programs a SM, each looping over tiles (registers);
 * `tma P/BM/S`: P programs a SM, each looping over [BM, 256] int32 tiles fetched by bulk (TMA) copies into shared
   memory through a host tensor descriptor, S stages in flight (Triton's software pipelining);
-* `gemv-*`: the same two forms as a BF16 GEMV (rows x 2560, y = W x), to see what the arithmetic adds.
+* `gemv-*`: the same two forms as a BF16 GEMV (rows x 2560, y = W x), to see what the arithmetic adds;
+* `strata *`: the step's own row-register GEMVs at the same bytes (random blocks), PDL off like the rest.
 
 If the TMA reads reach far more of the copy bandwidth than the register reads at these sizes, GEMVs fed by bulk
 copies are worth building; if not, the launches' ~fixed cost is the memory system's, not the load pattern's.
@@ -156,6 +157,21 @@ def main() -> int:
         if rows[-1].get("us"):
             call[0]()
             rows[-1]["max_abs_err"] = float((y - ref).abs().max())
+    # The step's own kernels at the same bytes, PDL off like the launches above.
+    from strata.kernels import gemv as G
+    from strata.kernels import pdl
+    pdl.set_enabled(False)
+    xq = torch.randn(1, k_dim, device=dev).to(torch.bfloat16)
+    del ws
+    flat = [torch.randint(0, 256, (12800, k_dim // 256 * 144), dtype=torch.uint8, device=dev) for _ in range(LAYERS)]
+    for kind in ("Q4_K_R", "Q4_K_RT"):
+        case("glu 18.4 MB", f"strata {kind} 12800x2560",
+             [lambda w=w, t=kind: G.gemv(xq, w, t, k_dim, out_dtype=torch.bfloat16) for w in flat], flat[0].numel())
+    del flat
+    qkvz = [torch.randint(0, 256, (16480, k_dim // 256 * 272), dtype=torch.uint8, device=dev) for _ in range(LAYERS)]
+    case("qkvz 44.7 MB", "strata Q8_0_R 16480x2560",
+         [lambda w=w: G.gemv(xq, w, "Q8_0_R", k_dim, out_dtype=torch.bfloat16) for w in qkvz], qkvz[0].numel())
+    del qkvz
     result = {"commit": args.commit or git_commit(), "gpu": torch.cuda.get_device_name(dev),
               "triton": triton.__version__, "copy_bandwidth_Bps": bw, "layers": LAYERS, "rows": rows}
     if args.out:
