@@ -12,7 +12,9 @@ a CUDA graph (each its own buffer, so L2 is cold), each reading one buffer of a 
 * `tma P/BM/S`: P programs a SM, each looping over [BM, 256] int32 tiles fetched by bulk (TMA) copies into shared
   memory through a host tensor descriptor, S stages in flight (Triton's software pipelining);
 * `gemv-*`: the same two forms as a BF16 GEMV (rows x 2560, y = W x), to see what the arithmetic adds;
-* `strata *`: the step's own row-register GEMVs at the same bytes (random blocks), PDL off like the rest.
+* `q8p-*`: a Q8_0 GEMV with its quants and scales in two planes (tiles a descriptor can fetch), by plain loads
+  and by bulk copies, against `strata *`: the step's own row-register GEMVs at the same bytes (random blocks),
+  PDL off like the rest.
 
 If the TMA reads reach far more of the copy bandwidth than the register reads at these sizes, GEMVs fed by bulk
 copies are worth building; if not, the launches' ~fixed cost is the memory system's, not the load pattern's.
@@ -91,6 +93,34 @@ def _gemv_tma(desc, x, y, nblocks, K: tl.constexpr, BR: tl.constexpr, BK: tl.con
         tl.store(y + b * BR + tl.arange(0, BR), tl.sum(acc, axis=1))
 
 
+@triton.jit
+def _gemv_q8p(qd, dd, qp, dp, x, y, nblocks, per, K: tl.constexpr, BR: tl.constexpr, TMA: tl.constexpr,
+              STAGES: tl.constexpr):
+    """Q8_0 in planes (int8 quants [N, K], fp16 scales [N, K / 32]): persistent programs, each over `per` row
+    blocks, the (row block, K step) items in one pipelined loop; TMA: tiles through the descriptors qd / dd,
+    else plain loads from qp / dp."""
+    KS: tl.constexpr = K // 256
+    p = tl.program_id(0)
+    first = p * per * KS
+    last = tl.minimum(first + per * KS, nblocks * KS)
+    acc = tl.zeros([BR], tl.float32)
+    for i in tl.range(first, last, num_stages=STAGES):
+        b = i // KS
+        ks = i % KS
+        if TMA:
+            q = qd.load([b * BR, ks * 256])
+            d = dd.load([b * BR, ks * 8])
+        else:
+            r = b * BR + tl.arange(0, BR)
+            q = tl.load(qp + r[:, None] * K + ks * 256 + tl.arange(0, 256)[None, :])
+            d = tl.load(dp + r[:, None] * (K // 32) + ks * 8 + tl.arange(0, 8)[None, :])
+        xv = tl.load(x + ks * 256 + tl.arange(0, 256)).to(tl.float32)
+        part = tl.sum(tl.reshape(q.to(tl.float32) * xv[None, :], [BR, 8, 32]), axis=2)
+        acc = acc * (ks != 0).to(tl.float32) + tl.sum(part * d.to(tl.float32), axis=1)
+        if ks == KS - 1:
+            tl.store(y + b * BR + tl.arange(0, BR), acc)
+
+
 def main() -> int:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -157,21 +187,45 @@ def main() -> int:
         if rows[-1].get("us"):
             call[0]()
             rows[-1]["max_abs_err"] = float((y - ref).abs().max())
+    del ws
+    # Q8_0 in planes against the step's Q8_0_R (below), at the qkvz group's shape and at about the GLU's bytes.
+    for n_q in (16480, 7200):
+        qs = [torch.randint(-127, 127, (n_q, k_dim), dtype=torch.int8, device=dev) for _ in range(LAYERS)]
+        ds = [(torch.rand(n_q, k_dim // 32, device=dev) * 0.01).to(torch.float16) for _ in range(LAYERS)]
+        yq = torch.empty(n_q, device=dev)
+        ref = (qs[0].float().view(n_q, -1, 32) * ds[0].float()[:, :, None]).view(n_q, k_dim) @ x.float()
+        q_bytes = n_q * k_dim * 34 // 32
+        for per_sm, br, stages, tma in ((1, 16, 1, False), (2, 8, 1, False), (1, 16, 3, True), (1, 16, 4, True),
+                                        (2, 8, 4, True), (1, 32, 3, True)):
+            nb = n_q // br
+            grid = sms * per_sm
+            per = -(-nb // grid)
+            qds = [TensorDescriptor.from_tensor(q, [br, 256]) for q in qs] if tma else qs
+            dds = [TensorDescriptor.from_tensor(d, [br, 8]) for d in ds] if tma else ds
+            call = [lambda i=i, b=br, pr=per, g=grid, t=tma, st=stages: _gemv_q8p[(g,)](
+                qds[i], dds[i], qs[i], ds[i], x, yq, nb, pr, K=k_dim, BR=b, TMA=t, STAGES=st, num_warps=4)
+                for i in range(LAYERS)]
+            case(f"q8 {n_q}x{k_dim}", f"q8p-{'tma' if tma else 'regs'} {per_sm}/{br}/{stages}", call, q_bytes)
+            if rows[-1].get("us"):
+                call[0]()
+                rows[-1]["max_rel_err"] = float((yq - ref).abs().max() / ref.abs().max())
+        del qs, ds
     # The step's own kernels at the same bytes, PDL off like the launches above.
     from strata.kernels import gemv as G
     from strata.kernels import pdl
     pdl.set_enabled(False)
     xq = torch.randn(1, k_dim, device=dev).to(torch.bfloat16)
-    del ws
     flat = [torch.randint(0, 256, (12800, k_dim // 256 * 144), dtype=torch.uint8, device=dev) for _ in range(LAYERS)]
     for kind in ("Q4_K_R", "Q4_K_RT"):
         case("glu 18.4 MB", f"strata {kind} 12800x2560",
              [lambda w=w, t=kind: G.gemv(xq, w, t, k_dim, out_dtype=torch.bfloat16) for w in flat], flat[0].numel())
     del flat
-    qkvz = [torch.randint(0, 256, (16480, k_dim // 256 * 272), dtype=torch.uint8, device=dev) for _ in range(LAYERS)]
-    case("qkvz 44.7 MB", "strata Q8_0_R 16480x2560",
-         [lambda w=w: G.gemv(xq, w, "Q8_0_R", k_dim, out_dtype=torch.bfloat16) for w in qkvz], qkvz[0].numel())
-    del qkvz
+    for n_q in (16480, 7200):
+        qkvz = [torch.randint(0, 256, (n_q, k_dim // 256 * 272), dtype=torch.uint8, device=dev)
+                for _ in range(LAYERS)]
+        case(f"q8 {n_q}x{k_dim}", "strata Q8_0_R",
+             [lambda w=w: G.gemv(xq, w, "Q8_0_R", k_dim, out_dtype=torch.bfloat16) for w in qkvz], qkvz[0].numel())
+        del qkvz
     result = {"commit": args.commit or git_commit(), "gpu": torch.cuda.get_device_name(dev),
               "triton": triton.__version__, "copy_bandwidth_Bps": bw, "layers": LAYERS, "rows": rows}
     if args.out:
