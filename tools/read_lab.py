@@ -195,8 +195,8 @@ def main() -> int:
         yq = torch.empty(n_q, device=dev)
         ref = (qs[0].float().view(n_q, -1, 32) * ds[0].float()[:, :, None]).view(n_q, k_dim) @ x.float()
         q_bytes = n_q * k_dim * 34 // 32
-        for per_sm, br, stages, tma in ((1, 16, 1, False), (2, 8, 1, False), (1, 16, 3, True), (1, 16, 4, True),
-                                        (2, 8, 4, True), (1, 32, 3, True)):
+        for per_sm, br, stages, tma in ((2, 16, 1, False), (4, 16, 1, False), (1, 16, 4, True), (2, 16, 4, True),
+                                        (1, 32, 4, True), (2, 32, 3, True), (4, 16, 3, True)):
             nb = n_q // br
             grid = sms * per_sm
             per = -(-nb // grid)
