@@ -3,7 +3,7 @@
 # still comes back): the GPU checks (the bit-for-bit PDL check; with FIXTURES, a copy of
 # ../shared/fixtures/qwen4exp-tiny carried into the tree, the model check against the CPU reference, with the tables
 # on the GPU, page-locked, and run ahead, whole or the split step's front), the ceiling of a Triton read at the
-# step's GEMV sizes, register loads against bulk (TMA) copies (tools/read_lab.py), the decode
+# step's GEMV sizes, register loads against bulk (TMA) copies (tools/tma_lab.py), the decode
 # bench at 4K and 128K (the 128K state does not fit an H100 beside the model; the PLE table held in memory,
 # --ple-table auto; then with the tables in the GPU's memory, --ple-table device, where the step hashes and gathers
 # the rows itself and runs ahead of the host, timed against one id at a time in the same process), the host's PLE
@@ -30,7 +30,7 @@ if [ -n "$fixtures" ]; then
     python tools/gpu_check_model.py --fixtures "$fixtures" --out "$out/model-check-$commit.json" 2>&1 | quiet | tail -12
 fi
 echo "== reads at the step's GEMV sizes: registers against bulk (TMA) copies"
-timeout 240 python tools/read_lab.py --commit "$commit" --out "$out/read-lab-$commit.json" 2>&1 | quiet | tail -70
+timeout 240 python tools/tma_lab.py --commit "$commit" --out "$out/tma-lab-$commit.json" 2>&1 | quiet | tail -70
 echo "(exit ${PIPESTATUS[0]})"
 echo "== decode bench (synthetic real geometry, 4K and 128K)"
 python -m strata.cli.main bench --contexts 4096,131072 --no-stages --profile --timeline --commit "$commit" \

@@ -1,25 +1,25 @@
-"""How fast can a Triton launch read the step's GEMV sizes at all? (run on the device box)
+"""Bulk (TMA) copies against register loads at the step's GEMV sizes (run on the device box).
 
-The step's GEMVs take 2-3 times their bytes' floor (the routed GLU's 18.4 MB in ~13.7 us, the HC read's 2 x 6.5 MB
-in ~10 us) and are latency-bound: less than a wave of programs, one eligible warp per scheduler, stalled on L1TEX
-scoreboards. This lab asks what bounds that from above, with no dequantisation at all: 48 launches back to back in
-a CUDA graph (each its own buffer, so L2 is cold), each reading one buffer of a step's size and summing it:
+`tools/stream_lab.py` measured what register loads can stream at the routed GLU's size: 18.4 MB in 7.6-7.9 us
+(79-82% of the copy bandwidth, H100), against 12.85 us for the tile-major GLU itself: the GEMV's decoding, not
+its size, makes the difference, and its programs wait on L1TEX scoreboards at 35% occupancy. A program that
+fetches its tiles with bulk copies into shared memory keeps the bytes in flight without holding them in
+registers, so its decoding could overlap its loads. This lab asks whether that pays, at the step's sizes (the HC
+read's 6.5 MB, the GLU's 18.4, the qkvz group's 44.7), 48 launches back to back in a CUDA graph (each its own
+buffer, so L2 is cold), PDL off:
 
-* `torch`: `torch.sum` over the buffer as int32 (a tuned multi-pass reduction);
-* `regs TILE/W`: one program per TILE int32 values, all its loads issued at once into registers (the row-register
-  GEMVs' pattern), W warps;
-* `regs-loop P/TILE`: P programs a SM, each looping over tiles (registers);
-* `tma P/BM/S`: P programs a SM, each looping over [BM, 256] int32 tiles fetched by bulk (TMA) copies into shared
-  memory through a host tensor descriptor, S stages in flight (Triton's software pipelining);
-* `gemv-*`: the same two forms as a BF16 GEMV (rows x 2560, y = W x), to see what the arithmetic adds;
-* `q8p-*`: a Q8_0 GEMV with its quants and scales in two planes (tiles a descriptor can fetch), by plain loads
-  and by bulk copies, against `strata *`: the step's own row-register GEMVs at the same bytes (random blocks),
-  PDL off like the rest.
+* `stream P/W/U`: the stream lab's register stream (P programs of W warps, U loads in flight per thread);
+* `tma P/BM/S`: P programs a SM, each looping over [BM, 256] int32 tiles fetched through a host tensor descriptor,
+  S stages in flight (Triton's software pipelining), summed;
+* `gemv-regs BR` / `gemv-tma P/BR/BK/S`: a BF16 GEMV (3584 x 2560, the GLU's bytes) both ways;
+* `q8p-regs P/BR/1` / `q8p-tma P/BR/S`: a Q8_0 GEMV with its quants and scales in two planes (tiles a descriptor
+  can fetch) both ways, against `strata Q8_0_R`: the step's row-register GEMV at the same shape (random blocks);
+  and the step's Q4_K_R / Q4_K_RT GEMV at the GLU's bytes (12800 x 2560).
 
-If the TMA reads reach far more of the copy bandwidth than the register reads at these sizes, GEMVs fed by bulk
-copies are worth building; if not, the launches' ~fixed cost is the memory system's, not the load pattern's.
+If the descriptor forms of the GEMVs come much closer to the streams than the step's GEMVs do, a type laid out in
+planes and fed by bulk copies is worth building; if not, the GEMVs' excess is not their load pattern's.
 
-    python tools/read_lab.py --out read-lab.json
+    python tools/tma_lab.py --out tma-lab.json
 """
 
 from __future__ import annotations
@@ -35,30 +35,15 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from strata.kernels import gemv as G  # noqa: E402
+from strata.kernels import pdl  # noqa: E402
 from strata.runtime.bench import copy_bandwidth, git_commit  # noqa: E402
 from tools.gpu_check_gemv import time_graph  # noqa: E402
+from tools.stream_lab import SLACK_WORDS, stream  # noqa: E402
 
 LAYERS = 48
 SIZES = {"hc 6.5 MB": 320 * 10240 * 2, "glu 18.4 MB": 12800 * 1440, "qkvz 44.7 MB": 16432 * 2720}
 COLS = 256  # int32 values per TMA row: 1 KB, the widest box a descriptor allows
-
-
-@triton.jit
-def _read_regs(src, out, n, TILE: tl.constexpr):
-    p = tl.program_id(0)
-    offs = p * TILE + tl.arange(0, TILE)
-    v = tl.load(src + offs, mask=offs < n, other=0)
-    tl.store(out + p, tl.sum(v, axis=0))
-
-
-@triton.jit
-def _read_regs_loop(src, out, n, ntiles, TILE: tl.constexpr):
-    p = tl.program_id(0)
-    acc = tl.zeros([TILE], tl.int32)
-    for t in range(p, ntiles, tl.num_programs(0)):
-        offs = t * TILE + tl.arange(0, TILE)
-        acc += tl.load(src + offs, mask=offs < n, other=0)
-    tl.store(out + p, tl.sum(acc, axis=0))
 
 
 @triton.jit
@@ -128,6 +113,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=None)
     args = ap.parse_args()
+    pdl.set_enabled(False)
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     bw = copy_bandwidth(dev)
@@ -146,22 +132,15 @@ def main() -> int:
     for size, nbytes in SIZES.items():
         n = nbytes // 4
         nrows = -(-n // COLS)
-        bufs = [torch.randint(-2**31, 2**31 - 1, (nrows * COLS,), dtype=torch.int32, device=dev)
+        bufs = [torch.randint(-2**31, 2**31 - 1, (nrows * COLS + SLACK_WORDS,), dtype=torch.int32, device=dev)
                 for _ in range(LAYERS)]
-        out = torch.empty(sms * 64 + n // 1024 + 1, dtype=torch.int32, device=dev)
-        case(size, "torch", [lambda b=b: b.sum() for b in bufs], nbytes)
-        for tile, warps in ((2048, 4), (4096, 4), (4096, 8), (8192, 8)):
-            grid = (-(-n // tile),)
-            case(size, f"regs {tile}/{warps}",
-                 [lambda b=b, g=grid, t=tile, w=warps: _read_regs[g](b, out, n, TILE=t, num_warps=w) for b in bufs],
+        out = torch.empty(sms * 64 + 4096, dtype=torch.int32, device=dev)
+        for programs, warps, unroll in ((800, 8, 1), (1600, 4, 1), (528, 8, 4)):
+            case(size, f"stream {programs}/{warps}/{unroll}",
+                 [lambda b=b, p=programs, w=warps, u=unroll: stream(b[:n + SLACK_WORDS], out, p, w, u) for b in bufs],
                  nbytes)
-        for per_sm, tile in ((2, 4096), (4, 2048)):
-            grid = (sms * per_sm,)
-            case(size, f"regs-loop {per_sm}/{tile}",
-                 [lambda b=b, g=grid, t=tile: _read_regs_loop[g](b, out, n, -(-n // t), TILE=t, num_warps=4)
-                  for b in bufs], nbytes)
         for per_sm, bm, stages in ((1, 16, 4), (1, 32, 4), (2, 16, 3), (2, 16, 4), (1, 64, 3), (4, 8, 4)):
-            descs = [TensorDescriptor.from_tensor(b.view(nrows, COLS), [bm, COLS]) for b in bufs]
+            descs = [TensorDescriptor.from_tensor(b[:nrows * COLS].view(nrows, COLS), [bm, COLS]) for b in bufs]
             ntiles = -(-nrows // bm)
             grid = (sms * per_sm,)
             case(size, f"tma {per_sm}/{bm}/{stages}",
@@ -210,10 +189,7 @@ def main() -> int:
                 call[0]()
                 rows[-1]["max_rel_err"] = float((yq - ref).abs().max() / ref.abs().max())
         del qs, ds
-    # The step's own kernels at the same bytes, PDL off like the launches above.
-    from strata.kernels import gemv as G
-    from strata.kernels import pdl
-    pdl.set_enabled(False)
+    # The step's own kernels at the same bytes.
     xq = torch.randn(1, k_dim, device=dev).to(torch.bfloat16)
     flat = [torch.randint(0, 256, (12800, k_dim // 256 * 144), dtype=torch.uint8, device=dev) for _ in range(LAYERS)]
     for kind in ("Q4_K_R", "Q4_K_RT"):
