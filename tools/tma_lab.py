@@ -11,7 +11,7 @@ buffer, so L2 is cold), PDL off:
 * `stream P/W/U`: the stream lab's register stream (P programs of W warps, U loads in flight per thread);
 * `tma P/BM/S`: P programs a SM, each looping over [BM, 256] int32 tiles fetched through a host tensor descriptor,
   S stages in flight (Triton's software pipelining), summed;
-* `gemv-regs BR` / `gemv-tma P/BR/BK/S`: a BF16 GEMV (3584 x 2560, the GLU's bytes) both ways;
+* `gemv-regs P/BR/BK/1` / `gemv-tma P/BR/BK/S`: a BF16 GEMV (3584 x 2560, the GLU's bytes) both ways;
 * `q8p-regs P/BR/1` / `q8p-tma P/BR/S`: a Q8_0 GEMV with its quants and scales in two planes (tiles a descriptor
   can fetch) both ways, against `strata Q8_0_R`: the step's row-register GEMV at the same shape (random blocks);
   and the step's Q4_K_R / Q4_K_RT GEMV at the GLU's bytes (12800 x 2560).
@@ -56,23 +56,19 @@ def _read_tma(desc, out, ntiles, BM: tl.constexpr, STAGES: tl.constexpr):
 
 
 @triton.jit
-def _gemv_regs(w, x, y, K: tl.constexpr, BR: tl.constexpr):
-    p = tl.program_id(0)
-    r = p * BR + tl.arange(0, BR)
-    k = tl.arange(0, K)
-    wt = tl.load(w + r[:, None] * K + k[None, :])
-    xv = tl.load(x + k)
-    tl.store(y + r, tl.sum(wt.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1))
-
-
-@triton.jit
-def _gemv_tma(desc, x, y, nblocks, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
-    """Persistent programs over row blocks; each block's K loop in BK steps through a descriptor."""
+def _gemv_bf16(desc, w, x, y, nblocks, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr,
+               STAGES: tl.constexpr):
+    """Persistent programs over row blocks of BR rows, each block's K loop in BK steps; TMA: tiles through the
+    descriptor, else plain loads from w."""
     p = tl.program_id(0)
     for b in range(p, nblocks, tl.num_programs(0)):
         acc = tl.zeros([BR, BK], tl.float32)
         for kk in tl.range(0, K, BK, num_stages=STAGES):
-            wt = desc.load([b * BR, kk])
+            if TMA:
+                wt = desc.load([b * BR, kk])
+            else:
+                r = b * BR + tl.arange(0, BR)
+                wt = tl.load(w + r[:, None] * K + kk + tl.arange(0, BK)[None, :])
             xv = tl.load(x + kk + tl.arange(0, BK))
             acc += wt.to(tl.float32) * xv.to(tl.float32)[None, :]
         tl.store(y + b * BR + tl.arange(0, BR), tl.sum(acc, axis=1))
@@ -154,15 +150,15 @@ def main() -> int:
     y = torch.empty(n_rows, device=dev)
     nbytes = n_rows * k_dim * 2
     ref = ws[0].float() @ x.float()
-    for br in (1, 2, 4):
-        case("gemv 18.4 MB", f"gemv-regs {br}",
-             [lambda w=w, b=br: _gemv_regs[(n_rows // b,)](w, x, y, K=k_dim, BR=b, num_warps=4) for w in ws], nbytes)
-    for per_sm, br, bk, stages in ((1, 8, 256, 4), (2, 8, 256, 3), (1, 16, 256, 4), (2, 4, 256, 4), (4, 4, 128, 4)):
-        descs = [TensorDescriptor.from_tensor(w, [br, bk]) for w in ws]
+    for per_sm, br, bk, stages, tma in ((4, 2, 512, 1, False), (8, 1, 512, 1, False), (1, 8, 256, 4, True),
+                                        (2, 8, 256, 3, True), (1, 16, 256, 4, True), (2, 4, 256, 4, True),
+                                        (4, 4, 128, 4, True)):
+        descs = [TensorDescriptor.from_tensor(w, [br, bk]) for w in ws] if tma else ws
         grid = (sms * per_sm,)
-        call = [lambda d=d, g=grid, b=br, kb=bk, s=stages: _gemv_tma[g](d, x, y, n_rows // b, K=k_dim, BR=b, BK=kb,
-                                                                     STAGES=s, num_warps=4) for d in descs]
-        case("gemv 18.4 MB", f"gemv-tma {per_sm}/{br}/{bk}/{stages}", call, nbytes)
+        call = [lambda i=i, g=grid, b=br, kb=bk, s=stages, t=tma: _gemv_bf16[g](
+            descs[i], ws[i], x, y, n_rows // b, K=k_dim, BR=b, BK=kb, TMA=t, STAGES=s, num_warps=4)
+            for i in range(LAYERS)]
+        case("gemv 18.4 MB", f"gemv-{'tma' if tma else 'regs'} {per_sm}/{br}/{bk}/{stages}", call, nbytes)
         if rows[-1].get("us"):
             call[0]()
             rows[-1]["max_abs_err"] = float((y - ref).abs().max())
