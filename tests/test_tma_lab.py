@@ -1,6 +1,7 @@
 """tools/tma_lab.py's kernels under Triton's interpreter (the timing runs on the device box): the descriptor read
-sums every word once, whatever the program count and stages; the BF16 and the planar Q8_0 GEMVs, by descriptor
-and by plain loads, equal the dequantised product, every row block (the persistent programs' items) written."""
+sums every word once, whatever the program count and stages; the BF16 and the planar Q8_0 and 4-bit GEMVs, by
+descriptor and by plain loads, equal the dequantised product, every row block (the persistent programs' items)
+written."""
 
 from __future__ import annotations
 
@@ -55,3 +56,24 @@ def test_planar_q8_gemv(tma: bool, programs: int) -> None:
     y = torch.full((n,), float("nan"))
     lab._gemv_q8p[(programs,)](qd, dd, q, d, x, y, nb, -(-nb // programs), K=k, BR=br, TMA=tma, STAGES=2)
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("programs", [1, 3])
+def test_planar_q4_gemv(tma: bool, programs: int) -> None:
+    g = torch.Generator().manual_seed(7 + programs + 10 * tma)
+    n, k, br = 40, 768, 8
+    q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    sc = (torch.rand(n, k // 32, generator=g) * 0.01).to(torch.float16)
+    mn = (torch.rand(n, k // 32, generator=g) * 0.01).to(torch.float16)
+    x = torch.randn(k, generator=g).to(torch.bfloat16)
+    dense = lab.q4p_dense(q, sc, mn)
+    assert dense[0, 1] == (q[0, 1] & 15).float() * sc[0, 0].float() - mn[0, 0].float()  # the layout as documented
+    assert dense[0, 128 + 33] == (q[0, 33] >> 4).float() * sc[0, 5].float() - mn[0, 5].float()
+    nb = n // br
+    planes = (q, sc, mn)
+    descs = tuple(TensorDescriptor.from_tensor(t, box) for t, box in zip(planes, ([br, 128], [br, 8], [br, 8]))) \
+        if tma else planes
+    y = torch.full((n,), float("nan"))
+    lab._gemv_q4p[(programs,)](*descs, *planes, x, y, nb, -(-nb // programs), K=k, BR=br, TMA=tma, STAGES=2)
+    torch.testing.assert_close(y, dense @ x.float(), rtol=1e-5, atol=1e-4)

@@ -14,7 +14,8 @@ buffer, so L2 is cold), PDL off:
 * `gemv-regs P/BR/BK/1` / `gemv-tma P/BR/BK/S`: a BF16 GEMV (3584 x 2560, the GLU's bytes) both ways;
 * `q8p-regs P/BR/1` / `q8p-tma P/BR/S`: a Q8_0 GEMV with its quants and scales in two planes (tiles a descriptor
   can fetch) both ways, against `strata Q8_0_R`: the step's row-register GEMV at the same shape (random blocks);
-  and the step's Q4_K_R / Q4_K_RT GEMV at the GLU's bytes (12800 x 2560).
+  and `q4p-*`: 4-bit weights in planes (nibbles, fp16 scales and mins per 32: 160 bytes per 256 weights against
+  Q4_K's 144) at the routed GLU's shape (12800 x 2560) both ways, against the step's Q4_K_R and Q4_K_RT there.
 
 If the descriptor forms of the GEMVs come much closer to the streams than the step's GEMVs do, a type laid out in
 planes and fed by bulk copies is worth building; if not, the GEMVs' excess is not their load pattern's.
@@ -102,6 +103,46 @@ def _gemv_q8p(qd, dd, qp, dp, x, y, nblocks, per, K: tl.constexpr, BR: tl.conste
             tl.store(y + b * BR + tl.arange(0, BR), acc)
 
 
+@triton.jit
+def _gemv_q4p(qd, sd, md, qp, sp, mp, x, y, nblocks, per, K: tl.constexpr, BR: tl.constexpr, TMA: tl.constexpr,
+              STAGES: tl.constexpr):
+    """4-bit weights in three planes (byte j of a 256-weight step: weight j in its low nibble, weight 128 + j in
+    its high; per 32 weights an fp16 scale and min: w = q * s - m; 160 bytes per 256 weights, Q4_K's 144 with its
+    6-bit sub-block scales unpacked), programs and items as `_gemv_q8p`."""
+    KS: tl.constexpr = K // 256
+    p = tl.program_id(0)
+    first = p * per * KS
+    last = tl.minimum(first + per * KS, nblocks * KS)
+    acc = tl.zeros([BR], tl.float32)
+    for i in tl.range(first, last, num_stages=STAGES):
+        b = i // KS
+        ks = i % KS
+        if TMA:
+            q = qd.load([b * BR, ks * 128])
+            sc = sd.load([b * BR, ks * 8])
+            mn = md.load([b * BR, ks * 8])
+        else:
+            r = b * BR + tl.arange(0, BR)
+            q = tl.load(qp + r[:, None] * (K // 2) + ks * 128 + tl.arange(0, 128)[None, :])
+            sc = tl.load(sp + r[:, None] * (K // 32) + ks * 8 + tl.arange(0, 8)[None, :])
+            mn = tl.load(mp + r[:, None] * (K // 32) + ks * 8 + tl.arange(0, 8)[None, :])
+        w = tl.reshape(tl.permute(tl.join(q & 15, q >> 4), (0, 2, 1)), [BR, 256]).to(tl.float32)
+        xv = tl.reshape(tl.load(x + ks * 256 + tl.arange(0, 256)).to(tl.float32), [8, 32])
+        dots = tl.sum(tl.reshape(w, [BR, 8, 32]) * xv[None, :, :], axis=2)
+        part = tl.sum(dots * sc.to(tl.float32) - mn.to(tl.float32) * tl.sum(xv, axis=1)[None, :], axis=1)
+        acc = acc * (ks != 0).to(tl.float32) + part
+        if ks == KS - 1:
+            tl.store(y + b * BR + tl.arange(0, BR), acc)
+
+
+def q4p_dense(q: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """The float weights of `_gemv_q4p`'s planes: q (N, K / 2) uint8, sc and mn (N, K / 32)."""
+    n = q.shape[0]
+    steps = q.view(n, -1, 128).to(torch.int32)
+    w = torch.cat([steps & 15, steps >> 4], dim=2).reshape(n, -1, 32).float()
+    return (w * sc.float()[:, :, None] - mn.float()[:, :, None]).reshape(n, -1)
+
+
 def main() -> int:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -185,6 +226,30 @@ def main() -> int:
                 call[0]()
                 rows[-1]["max_rel_err"] = float((yq - ref).abs().max() / ref.abs().max())
         del qs, ds
+    # 4-bit planes (160 bytes per 256 weights) at the routed GLU's shape, against the step's Q4_K_R(T) below.
+    n_q = 12800
+    qs = [torch.randint(0, 256, (n_q, k_dim // 2), dtype=torch.uint8, device=dev) for _ in range(LAYERS)]
+    scs = [(torch.rand(n_q, k_dim // 32, device=dev) * 0.01).to(torch.float16) for _ in range(LAYERS)]
+    mns = [(torch.rand(n_q, k_dim // 32, device=dev) * 0.01).to(torch.float16) for _ in range(LAYERS)]
+    yq = torch.empty(n_q, device=dev)
+    ref = q4p_dense(qs[0], scs[0], mns[0]) @ x.float()
+    q_bytes = n_q * k_dim * 160 // 256
+    for per_sm, br, stages, tma in ((2, 16, 1, False), (4, 8, 1, False), (1, 16, 4, True), (2, 16, 4, True),
+                                    (1, 32, 4, True), (2, 8, 4, True)):
+        nb = n_q // br
+        grid = sms * per_sm
+        per = -(-nb // grid)
+        descs = [tuple(TensorDescriptor.from_tensor(t, box) for t, box in
+                       ((qs[i], [br, 128]), (scs[i], [br, 8]), (mns[i], [br, 8]))) if tma else (qs[i], scs[i], mns[i])
+                 for i in range(LAYERS)]
+        call = [lambda i=i, b=br, pr=per, g=grid, t=tma, st=stages: _gemv_q4p[(g,)](
+            *descs[i], qs[i], scs[i], mns[i], x, yq, nb, pr, K=k_dim, BR=b, TMA=t, STAGES=st, num_warps=4)
+            for i in range(LAYERS)]
+        case(f"q4 {n_q}x{k_dim}", f"q4p-{'tma' if tma else 'regs'} {per_sm}/{br}/{stages}", call, q_bytes)
+        if rows[-1].get("us"):
+            call[0]()
+            rows[-1]["max_rel_err"] = float((yq - ref).abs().max() / ref.abs().max())
+    del qs, scs, mns
     # The step's own kernels at the same bytes.
     xq = torch.randn(1, k_dim, device=dev).to(torch.bfloat16)
     flat = [torch.randint(0, 256, (12800, k_dim // 256 * 144), dtype=torch.uint8, device=dev) for _ in range(LAYERS)]
