@@ -54,7 +54,8 @@ def test_planar_q8_gemv(tma: bool, programs: int) -> None:
     qd = TensorDescriptor.from_tensor(q, [br, 256]) if tma else q
     dd = TensorDescriptor.from_tensor(d, [br, 8]) if tma else d
     y = torch.full((n,), float("nan"))
-    lab._gemv_q8p[(programs,)](qd, dd, q, d, x, y, nb, -(-nb // programs), K=k, BR=br, TMA=tma, STAGES=2)
+    lab._gemv_planes[(programs,)](qd, dd, dd, q, d, d, x, y, nb, -(-nb // programs), K=k, BR=br, BITS=8, TMA=tma,
+                                  STAGES=2)
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-4)
 
 
@@ -75,5 +76,6 @@ def test_planar_q4_gemv(tma: bool, programs: int) -> None:
     descs = tuple(TensorDescriptor.from_tensor(t, box) for t, box in zip(planes, ([br, 128], [br, 8], [br, 8]))) \
         if tma else planes
     y = torch.full((n,), float("nan"))
-    lab._gemv_q4p[(programs,)](*descs, *planes, x, y, nb, -(-nb // programs), K=k, BR=br, TMA=tma, STAGES=2)
+    lab._gemv_planes[(programs,)](*descs, *planes, x, y, nb, -(-nb // programs), K=k, BR=br, BITS=4, TMA=tma,
+                                  STAGES=2)
     torch.testing.assert_close(y, dense @ x.float(), rtol=1e-5, atol=1e-4)

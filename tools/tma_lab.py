@@ -76,67 +76,65 @@ def _gemv_bf16(desc, w, x, y, nblocks, K: tl.constexpr, BR: tl.constexpr, BK: tl
 
 
 @triton.jit
-def _gemv_q8p(qd, dd, qp, dp, x, y, nblocks, per, K: tl.constexpr, BR: tl.constexpr, TMA: tl.constexpr,
-              STAGES: tl.constexpr):
-    """Q8_0 in planes (int8 quants [N, K], fp16 scales [N, K / 32]): persistent programs, each over `per` row
-    blocks, the (row block, K step) items in one pipelined loop; TMA: tiles through the descriptors qd / dd,
-    else plain loads from qp / dp."""
-    KS: tl.constexpr = K // 256
-    p = tl.program_id(0)
-    first = p * per * KS
-    last = tl.minimum(first + per * KS, nblocks * KS)
-    acc = tl.zeros([BR], tl.float32)
-    for i in tl.range(first, last, num_stages=STAGES):
-        b = i // KS
-        ks = i % KS
-        if TMA:
-            q = qd.load([b * BR, ks * 256])
-            d = dd.load([b * BR, ks * 8])
-        else:
-            r = b * BR + tl.arange(0, BR)
-            q = tl.load(qp + r[:, None] * K + ks * 256 + tl.arange(0, 256)[None, :])
-            d = tl.load(dp + r[:, None] * (K // 32) + ks * 8 + tl.arange(0, 8)[None, :])
-        xv = tl.load(x + ks * 256 + tl.arange(0, 256)).to(tl.float32)
-        part = tl.sum(tl.reshape(q.to(tl.float32) * xv[None, :], [BR, 8, 32]), axis=2)
-        acc = acc * (ks != 0).to(tl.float32) + tl.sum(part * d.to(tl.float32), axis=1)
-        if ks == KS - 1:
-            tl.store(y + b * BR + tl.arange(0, BR), acc)
+def _q8_part(qd, sd, qp, sp, x, b, ks, K: tl.constexpr, BR: tl.constexpr, TMA: tl.constexpr):
+    """One item of Q8_0 in planes (int8 quants [N, K], fp16 scales [N, K / 32]): BR rows' dot products over 256
+    weights."""
+    if TMA:
+        q = qd.load([b * BR, ks * 256])
+        d = sd.load([b * BR, ks * 8])
+    else:
+        r = b * BR + tl.arange(0, BR)
+        q = tl.load(qp + r[:, None] * K + ks * 256 + tl.arange(0, 256)[None, :])
+        d = tl.load(sp + r[:, None] * (K // 32) + ks * 8 + tl.arange(0, 8)[None, :])
+    xv = tl.load(x + ks * 256 + tl.arange(0, 256)).to(tl.float32)
+    dots = tl.sum(tl.reshape(q.to(tl.float32) * xv[None, :], [BR, 8, 32]), axis=2)
+    return tl.sum(dots * d.to(tl.float32), axis=1)
 
 
 @triton.jit
-def _gemv_q4p(qd, sd, md, qp, sp, mp, x, y, nblocks, per, K: tl.constexpr, BR: tl.constexpr, TMA: tl.constexpr,
-              STAGES: tl.constexpr):
-    """4-bit weights in three planes (byte j of a 256-weight step: weight j in its low nibble, weight 128 + j in
-    its high; per 32 weights an fp16 scale and min: w = q * s - m; 160 bytes per 256 weights, Q4_K's 144 with its
-    6-bit sub-block scales unpacked), programs and items as `_gemv_q8p`."""
+def _q4_part(qd, sd, md, qp, sp, mp, x, b, ks, K: tl.constexpr, BR: tl.constexpr, TMA: tl.constexpr):
+    """One item of 4-bit weights in three planes (byte j of a 256-weight step: weight j in its low nibble, weight
+    128 + j in its high; per 32 weights an fp16 scale and min: w = q * s - m; 160 bytes per 256 weights, Q4_K's 144
+    with its 6-bit sub-block scales unpacked)."""
+    if TMA:
+        q = qd.load([b * BR, ks * 128])
+        sc = sd.load([b * BR, ks * 8])
+        mn = md.load([b * BR, ks * 8])
+    else:
+        r = b * BR + tl.arange(0, BR)
+        q = tl.load(qp + r[:, None] * (K // 2) + ks * 128 + tl.arange(0, 128)[None, :])
+        sc = tl.load(sp + r[:, None] * (K // 32) + ks * 8 + tl.arange(0, 8)[None, :])
+        mn = tl.load(mp + r[:, None] * (K // 32) + ks * 8 + tl.arange(0, 8)[None, :])
+    w = tl.reshape(tl.permute(tl.join(q & 15, q >> 4), (0, 2, 1)), [BR, 256]).to(tl.float32)
+    xv = tl.reshape(tl.load(x + ks * 256 + tl.arange(0, 256)).to(tl.float32), [8, 32])
+    dots = tl.sum(tl.reshape(w, [BR, 8, 32]) * xv[None, :, :], axis=2)
+    return tl.sum(dots * sc.to(tl.float32) - mn.to(tl.float32) * tl.sum(xv, axis=1)[None, :], axis=1)
+
+
+@triton.jit
+def _gemv_planes(qd, sd, md, qp, sp, mp, x, y, nblocks, per, K: tl.constexpr, BR: tl.constexpr, BITS: tl.constexpr,
+                 TMA: tl.constexpr, STAGES: tl.constexpr):
+    """A GEMV over weights in planes (BITS 8: `_q8_part`, md / mp unused; 4: `_q4_part`): persistent programs,
+    each over `per` row blocks of BR rows, the (row block, K step) items in one pipelined loop; TMA: tiles through
+    the descriptors qd / sd / md, else plain loads from qp / sp / mp."""
     KS: tl.constexpr = K // 256
-    p = tl.program_id(0)
-    first = p * per * KS
+    first = tl.program_id(0) * per * KS
     last = tl.minimum(first + per * KS, nblocks * KS)
     acc = tl.zeros([BR], tl.float32)
     for i in tl.range(first, last, num_stages=STAGES):
         b = i // KS
         ks = i % KS
-        if TMA:
-            q = qd.load([b * BR, ks * 128])
-            sc = sd.load([b * BR, ks * 8])
-            mn = md.load([b * BR, ks * 8])
+        if BITS == 8:
+            part = _q8_part(qd, sd, qp, sp, x, b, ks, K, BR, TMA)
         else:
-            r = b * BR + tl.arange(0, BR)
-            q = tl.load(qp + r[:, None] * (K // 2) + ks * 128 + tl.arange(0, 128)[None, :])
-            sc = tl.load(sp + r[:, None] * (K // 32) + ks * 8 + tl.arange(0, 8)[None, :])
-            mn = tl.load(mp + r[:, None] * (K // 32) + ks * 8 + tl.arange(0, 8)[None, :])
-        w = tl.reshape(tl.permute(tl.join(q & 15, q >> 4), (0, 2, 1)), [BR, 256]).to(tl.float32)
-        xv = tl.reshape(tl.load(x + ks * 256 + tl.arange(0, 256)).to(tl.float32), [8, 32])
-        dots = tl.sum(tl.reshape(w, [BR, 8, 32]) * xv[None, :, :], axis=2)
-        part = tl.sum(dots * sc.to(tl.float32) - mn.to(tl.float32) * tl.sum(xv, axis=1)[None, :], axis=1)
+            part = _q4_part(qd, sd, md, qp, sp, mp, x, b, ks, K, BR, TMA)
         acc = acc * (ks != 0).to(tl.float32) + part
         if ks == KS - 1:
             tl.store(y + b * BR + tl.arange(0, BR), acc)
 
 
 def q4p_dense(q: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
-    """The float weights of `_gemv_q4p`'s planes: q (N, K / 2) uint8, sc and mn (N, K / 32)."""
+    """The float weights of `_q4_part`'s planes: q (N, K / 2) uint8, sc and mn (N, K / 32)."""
     n = q.shape[0]
     steps = q.view(n, -1, 128).to(torch.int32)
     w = torch.cat([steps & 15, steps >> 4], dim=2).reshape(n, -1, 32).float()
@@ -218,9 +216,9 @@ def main() -> int:
             per = -(-nb // grid)
             qds = [TensorDescriptor.from_tensor(q, [br, 256]) for q in qs] if tma else qs
             dds = [TensorDescriptor.from_tensor(d, [br, 8]) for d in ds] if tma else ds
-            call = [lambda i=i, b=br, pr=per, g=grid, t=tma, st=stages: _gemv_q8p[(g,)](
-                qds[i], dds[i], qs[i], ds[i], x, yq, nb, pr, K=k_dim, BR=b, TMA=t, STAGES=st, num_warps=4)
-                for i in range(LAYERS)]
+            call = [lambda i=i, b=br, pr=per, g=grid, t=tma, st=stages: _gemv_planes[(g,)](
+                qds[i], dds[i], dds[i], qs[i], ds[i], ds[i], x, yq, nb, pr, K=k_dim, BR=b, BITS=8, TMA=t, STAGES=st,
+                num_warps=4) for i in range(LAYERS)]
             case(f"q8 {n_q}x{k_dim}", f"q8p-{'tma' if tma else 'regs'} {per_sm}/{br}/{stages}", call, q_bytes)
             if rows[-1].get("us"):
                 call[0]()
@@ -242,8 +240,8 @@ def main() -> int:
         descs = [tuple(TensorDescriptor.from_tensor(t, box) for t, box in
                        ((qs[i], [br, 128]), (scs[i], [br, 8]), (mns[i], [br, 8]))) if tma else (qs[i], scs[i], mns[i])
                  for i in range(LAYERS)]
-        call = [lambda i=i, b=br, pr=per, g=grid, t=tma, st=stages: _gemv_q4p[(g,)](
-            *descs[i], qs[i], scs[i], mns[i], x, yq, nb, pr, K=k_dim, BR=b, TMA=t, STAGES=st, num_warps=4)
+        call = [lambda i=i, b=br, pr=per, g=grid, t=tma, st=stages: _gemv_planes[(g,)](
+            *descs[i], qs[i], scs[i], mns[i], x, yq, nb, pr, K=k_dim, BR=b, BITS=4, TMA=t, STAGES=st, num_warps=4)
             for i in range(LAYERS)]
         case(f"q4 {n_q}x{k_dim}", f"q4p-{'tma' if tma else 'regs'} {per_sm}/{br}/{stages}", call, q_bytes)
         if rows[-1].get("us"):
