@@ -2,8 +2,8 @@
 # The full GPU run for an H200 (the target's card), in one run and in order of need (what a run cut short wrote
 # still comes back): the GPU checks (the bit-for-bit PDL check; with FIXTURES, a copy of
 # ../shared/fixtures/qwen4exp-tiny carried into the tree, the model check against the CPU reference, with the tables
-# on the GPU, page-locked, and run ahead, whole or the split step's front), the ceiling of a Triton read at the
-# step's GEMV sizes, register loads against bulk (TMA) copies (tools/tma_lab.py), the decode
+# on the GPU, page-locked, and run ahead, whole or the split step's front), reads and GEMVs at the step's sizes fed
+# by bulk (TMA) copies against register loads and the step's own GEMVs (tools/tma_lab.py), the decode
 # bench at 4K and 128K (the 128K state does not fit an H100 beside the model; the PLE table held in memory,
 # --ple-table auto; then with the tables in the GPU's memory, --ple-table device, where the step hashes and gathers
 # the rows itself and runs ahead of the host, timed against one id at a time in the same process), the host's PLE
@@ -29,7 +29,7 @@ if [ -n "$fixtures" ]; then
     echo "== model check (GPU against the CPU reference)"
     python tools/gpu_check_model.py --fixtures "$fixtures" --out "$out/model-check-$commit.json" 2>&1 | quiet | tail -12
 fi
-echo "== reads at the step's GEMV sizes: registers against bulk (TMA) copies"
+echo "== reads and GEMVs at the step's sizes: bulk (TMA) copies against register loads"
 timeout 240 python tools/tma_lab.py --commit "$commit" --out "$out/tma-lab-$commit.json" 2>&1 | quiet | tail -70
 echo "(exit ${PIPESTATUS[0]})"
 echo "== decode bench (synthetic real geometry, 4K and 128K)"

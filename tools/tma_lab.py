@@ -49,6 +49,7 @@ COLS = 256  # int32 values per TMA row: 1 KB, the widest box a descriptor allows
 
 @triton.jit
 def _read_tma(desc, out, ntiles, BM: tl.constexpr, STAGES: tl.constexpr):
+    """out[p] = the sum of program p's [BM, 256] tiles (every num_programs-th), fetched through the descriptor."""
     p = tl.program_id(0)
     acc = tl.zeros([BM, 256], tl.int32)
     for t in tl.range(p, ntiles, tl.num_programs(0), num_stages=STAGES):
@@ -154,7 +155,9 @@ def main() -> int:
     bw = copy_bandwidth(dev)
     rows: list[dict] = []
 
-    def case(size: str, what: str, calls: list, nbytes: int) -> None:
+    def case(size: str, what: str, calls: list, nbytes: int, y: torch.Tensor | None = None,
+             ref: torch.Tensor | None = None) -> None:
+        """Time `calls`; with y and ref, also the first call's relative error (y its output, ref in float)."""
         try:
             s = time_graph(calls)
         except Exception as e:  # a variant Triton cannot compile here is a row, not the end of the lab
@@ -163,6 +166,9 @@ def main() -> int:
             return
         rows.append({"size": size, "launch": what, "us": s * 1e6, "bytes": nbytes, "fraction_of_copy": nbytes / s / bw})
         print(f"{size:<14}{what:<24}{s * 1e6:>9.2f} us{nbytes / s / bw:>8.2f} of copy", flush=True)
+        if ref is not None:
+            calls[0]()
+            rows[-1]["max_rel_err"] = float((y - ref).abs().max() / ref.abs().max())
 
     for size, nbytes in SIZES.items():
         n = nbytes // 4
@@ -197,10 +203,7 @@ def main() -> int:
         call = [lambda i=i, g=grid, b=br, kb=bk, s=stages, t=tma: _gemv_bf16[g](
             descs[i], ws[i], x, y, n_rows // b, K=k_dim, BR=b, BK=kb, TMA=t, STAGES=s, num_warps=4)
             for i in range(LAYERS)]
-        case("gemv 18.4 MB", f"gemv-{'tma' if tma else 'regs'} {per_sm}/{br}/{bk}/{stages}", call, nbytes)
-        if rows[-1].get("us"):
-            call[0]()
-            rows[-1]["max_abs_err"] = float((y - ref).abs().max())
+        case("gemv 18.4 MB", f"gemv-{'tma' if tma else 'regs'} {per_sm}/{br}/{bk}/{stages}", call, nbytes, y, ref)
     del ws
     # Q8_0 in planes against the step's Q8_0_R (below), at the qkvz group's shape and at about the GLU's bytes.
     for n_q in (16480, 7200):
@@ -219,10 +222,8 @@ def main() -> int:
             call = [lambda i=i, b=br, pr=per, g=grid, t=tma, st=stages: _gemv_planes[(g,)](
                 qds[i], dds[i], dds[i], qs[i], ds[i], ds[i], x, yq, nb, pr, K=k_dim, BR=b, BITS=8, TMA=t, STAGES=st,
                 num_warps=4) for i in range(LAYERS)]
-            case(f"q8 {n_q}x{k_dim}", f"q8p-{'tma' if tma else 'regs'} {per_sm}/{br}/{stages}", call, q_bytes)
-            if rows[-1].get("us"):
-                call[0]()
-                rows[-1]["max_rel_err"] = float((yq - ref).abs().max() / ref.abs().max())
+            case(f"q8 {n_q}x{k_dim}", f"q8p-{'tma' if tma else 'regs'} {per_sm}/{br}/{stages}", call, q_bytes, yq,
+                 ref)
         del qs, ds
     # 4-bit planes (160 bytes per 256 weights) at the routed GLU's shape, against the step's Q4_K_R(T) below.
     n_q = 12800
@@ -243,16 +244,13 @@ def main() -> int:
         call = [lambda i=i, b=br, pr=per, g=grid, t=tma, st=stages: _gemv_planes[(g,)](
             *descs[i], qs[i], scs[i], mns[i], x, yq, nb, pr, K=k_dim, BR=b, BITS=4, TMA=t, STAGES=st, num_warps=4)
             for i in range(LAYERS)]
-        case(f"q4 {n_q}x{k_dim}", f"q4p-{'tma' if tma else 'regs'} {per_sm}/{br}/{stages}", call, q_bytes)
-        if rows[-1].get("us"):
-            call[0]()
-            rows[-1]["max_rel_err"] = float((yq - ref).abs().max() / ref.abs().max())
+        case(f"q4 {n_q}x{k_dim}", f"q4p-{'tma' if tma else 'regs'} {per_sm}/{br}/{stages}", call, q_bytes, yq, ref)
     del qs, scs, mns
     # The step's own kernels at the same bytes.
     xq = torch.randn(1, k_dim, device=dev).to(torch.bfloat16)
     flat = [torch.randint(0, 256, (12800, k_dim // 256 * 144), dtype=torch.uint8, device=dev) for _ in range(LAYERS)]
     for kind in ("Q4_K_R", "Q4_K_RT"):
-        case("glu 18.4 MB", f"strata {kind} 12800x2560",
+        case(f"q4 12800x{k_dim}", f"strata {kind}",
              [lambda w=w, t=kind: G.gemv(xq, w, t, k_dim, out_dtype=torch.bfloat16) for w in flat], flat[0].numel())
     del flat
     for n_q in (16480, 7200):
