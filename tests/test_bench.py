@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from strata.model.ops import Ops, branches_ref
@@ -77,6 +78,23 @@ def test_format_table():
     assert "75.0%" in text and "experts" in text and "   1.900 " in text  # the replay column
     assert "2048.0 tok/s (median of 3; first pass, with compilation: 3.50 s)" in text
     assert "900 kernels" in text and "_experts_gemm_kernel" in text
+
+
+def test_each_context_keeps_what_fits_and_names_what_did_not():
+    def measure(ctx: int) -> dict:
+        if ctx > 100_000:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.00 GiB\nmore detail")
+        return {"context": ctx}
+
+    done, skipped = bench.each_context(measure, [4096, 131072, 32768], torch.device("cpu"))
+    assert done == [{"context": 4096}, {"context": 32768}]  # the context after the failed one still ran
+    assert skipped == [{"context": 131072, "error": "out of device memory: CUDA out of memory. Tried to allocate "
+                                                    "6.00 GiB"}]
+    with pytest.raises(ValueError):  # anything else is not a context that did not fit
+        bench.each_context(lambda ctx: int("x"), [4096], torch.device("cpu"))
+    report = {"gpu": "X", "copy_bandwidth_bytes_per_s": 4e12, "model": "m", "ops": "triton", "type_mix": "t",
+              "decode": [], "decode_skipped": skipped}
+    assert "  131072 skipped: out of device memory" in bench.format_table(report)
 
 
 def test_layer_paths_reads_the_critical_path_off_a_timeline():

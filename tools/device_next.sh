@@ -34,11 +34,11 @@ timeout 240 python tools/tma_lab.py --commit "$commit" --out "$out/tma-lab-$comm
 echo "(exit ${PIPESTATUS[0]})"
 echo "== decode bench (synthetic real geometry, 4K and 128K)"
 python -m strata.cli.main bench --contexts 4096,131072 --no-stages --profile --timeline --commit "$commit" \
-    --out "$out/synthetic-decode-$commit.json" 2>&1 | quiet | grep -E "ms/token|layer \(|Error"
+    --out "$out/synthetic-decode-$commit.json" 2>&1 | quiet | grep -E "ms/token|layer \(|Error|error|skipped"
 echo "(exit ${PIPESTATUS[0]})"
 echo "== decode bench with the PLE tables in the GPU's memory (--ple-table device: the step gathers its rows)"
 python -m strata.cli.main bench --contexts 4096,131072 --no-stages --ple-table device --commit "$commit" \
-    --out "$out/synthetic-decode-ple-device-$commit.json" 2>&1 | quiet | grep -E "ms/token|Error"
+    --out "$out/synthetic-decode-ple-device-$commit.json" 2>&1 | quiet | grep -E "ms/token|Error|error|skipped"
 echo "(exit ${PIPESTATUS[0]})"
 python tools/host_pages_lab.py --tokens 1000 --out "$out/host-pages-$commit.json" 2>&1 | quiet
 echo "== tile-major against row-major in the 4K step"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from strata.cli.common import add_ple_table_arg
+from strata.cli.common import OOM_HINTS, add_ple_table_arg
 from strata.errors import StrataError
 
 
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
               "decode": []}
     print(f"model: {report['memory_gib']['model']:.1f} GiB of the device's {report['memory_gib']['device']:.1f}; "
           f"PLE table {ple_table}", file=sys.stderr)
-    for ctx in contexts:
+    def measure(ctx: int) -> dict:
         torch.cuda.reset_peak_memory_stats(dev)
         r = bench.bench_decode(model, ctx, args.tokens, args.runs, stage_table=not args.no_stages,
                                split=not args.no_split)
@@ -116,21 +116,29 @@ def run(args: argparse.Namespace) -> int:
         r["floor_ms"] = b["total"] / bw * 1e3
         r["fraction_of_floor"] = r["floor_ms"] / r["ms_per_token"]
         r["peak_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
-        report["decode"].append(r)
         mode = f"run ahead; one by one {r['one_by_one']['ms_per_token']:.3f}" if r["run_ahead"] else "one by one"
         print(f"ctx {ctx:>7}: {r['ms_per_token']:.3f} ms/token ({mode}; {r['tok_per_s']:.1f} tok/s), floor "
               f"{r['floor_ms']:.3f} ms, {100 * r['fraction_of_floor']:.1f}% of floor; peak "
               f"{r['peak_memory_gib']:.1f} GiB; replay "
               f"{r['graph_replay_ms']:.3f} ms; host " + ", ".join(
                   f"{k} {v:.3f}" for k, v in r["host_ms_per_token"]["phases"].items()), file=sys.stderr)
+        return r
+
+    report["decode"], report["decode_skipped"] = bench.each_context(measure, contexts, dev)
     if args.prefill_tokens:
         torch.cuda.reset_peak_memory_stats(dev)
         report["prefill"] = bench.bench_prefill(model, args.prefill_tokens, runs=args.runs, profile=args.profile)
         report["prefill"]["peak_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
-    if args.profile:  # after every timing: a process that has run the profiler launches more slowly
-        report["decode"][0].update(bench.profile_decode(model, contexts[0], args.tokens, args.runs,
-                                                        split=not args.no_split, timeline=args.timeline))
+    if args.profile and report["decode"]:  # after every timing: a process that ran the profiler launches slower
+        first = report["decode"][0]
+        first.update(bench.profile_decode(model, first["context"], args.tokens, args.runs,
+                                          split=not args.no_split, timeline=args.timeline))
     print(bench.format_table(report))
     if args.out:
         bench.write_report(report, args.out)
+    if report["decode_skipped"]:
+        skipped = ", ".join(str(s["context"]) for s in report["decode_skipped"])
+        print(f"strata bench: error: out of device memory at context {skipped} (the others are reported"
+              f"{' and written to ' + args.out if args.out else ''})\n  {OOM_HINTS['bench']}", file=sys.stderr)
+        return 2
     return 0

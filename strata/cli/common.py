@@ -8,6 +8,14 @@ from pathlib import Path
 
 from strata.errors import StrataError
 
+OOM_HINTS = {
+    "bench": "the synthetic model at the real geometry takes ~76 GiB and each context's caches more (a 128K step "
+             "peaks at ~83 GiB): try shorter --contexts or fewer --layers",
+    "model": "the weights and the caches, allocated for --context positions, must fit: try a shorter --context, "
+             "a smaller quantization of the model, or --device cpu",
+}
+"""What to try when a command runs out of device memory, by command."""
+
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="PATH", default=None,

@@ -7,6 +7,7 @@ import importlib
 import os
 import sys
 
+from strata.cli.common import OOM_HINTS
 from strata.errors import StrataError
 
 # Subcommand name -> module in strata.cli. Each module defines add_parser(subparsers) and run(args) -> int.
@@ -56,15 +57,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"strata {args.command}: error: out of device memory: {str(e).splitlines()[0]}\n  {hint}",
               file=sys.stderr)
         return 2
-
-
-OOM_HINTS = {
-    "bench": "the synthetic model at the real geometry takes ~76 GiB and each context's caches more (a 128K step "
-             "peaks at ~83 GiB): try shorter --contexts or fewer --layers",
-    "model": "the weights and the caches, allocated for --context positions, must fit: try a shorter --context, "
-             "a smaller quantization of the model, or --device cpu",
-}
-"""What to try when a command runs out of device memory, by command."""
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import json
 import re
 import statistics
 import subprocess
+import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -258,6 +259,22 @@ def bench_decode(model: Model, context: int, tokens: int = 64, runs: int = 3, se
     return out
 
 
+def each_context(measure, contexts: list[int], device: torch.device) -> tuple[list[dict], list[dict]]:
+    """`measure(ctx)` for each context, keeping what fits: a context whose caches do not fit the device is
+    recorded as skipped (with torch's message) and the rest still run, so one long context that runs out of
+    memory does not lose the shorter ones' figures. Returns (results, skipped)."""
+    done, skipped = [], []
+    for ctx in contexts:
+        try:
+            done.append(measure(ctx))
+        except torch.OutOfMemoryError as e:
+            skipped.append({"context": ctx, "error": "out of device memory: " + str(e).splitlines()[0]})
+            print(f"ctx {ctx:>7}: skipped: {skipped[-1]['error']}", file=sys.stderr)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the failed context's caches, so the next one starts clean
+    return done, skipped
+
+
 def kernel_profile(step: DecodeStep, top: int = 40) -> dict:
     """The kernels one eager decode step launches (torch profiler): how many, their summed device time, and the
     largest by total time. Launches x per-launch overhead is what the captured step pays beyond kernel time."""
@@ -417,6 +434,7 @@ def format_table(report: dict) -> str:
         lines.append(f"{r['context']:>8} {r['ms_per_token']:>8.3f} {r['tok_per_s']:>8.1f} "
                      f"{r['graph_replay_ms']:>8.3f} {r['bytes_per_token']['total'] / 1e6:>8.1f} "
                      f"{r['floor_ms']:>9.3f} {100 * r['fraction_of_floor']:>6.1f}%")
+    lines.extend(f"{s['context']:>8} skipped: {s['error'][:90]}" for s in report.get("decode_skipped", []))
     if "prefill" in report:
         p = report["prefill"]
         lines.append(f"prefill: {p['tokens']} tokens in {p['seconds']:.2f} s = {p['tok_per_s']:.1f} tok/s "
