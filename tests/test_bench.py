@@ -4,6 +4,7 @@ the stage-timing op table (the timing itself runs on the device box; see bench/r
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import pytest
 import torch
@@ -95,6 +96,24 @@ def test_each_context_keeps_what_fits_and_names_what_did_not():
     report = {"gpu": "X", "copy_bandwidth_bytes_per_s": 4e12, "model": "m", "ops": "triton", "type_mix": "t",
               "decode": [], "decode_skipped": skipped}
     assert "  131072 skipped: out of device memory" in bench.format_table(report)
+
+
+def test_each_context_frees_the_failed_context_before_emptying_the_cache(monkeypatch):
+    class Caches:  # stands for the failed context's device tensors
+        pass
+
+    alive = []
+
+    def measure(ctx: int) -> dict:
+        caches = Caches()
+        alive.append(weakref.ref(caches))
+        raise torch.OutOfMemoryError("CUDA out of memory.")
+
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(alive[-1]() is None))
+    done, skipped = bench.each_context(measure, [4096, 8192], torch.device("cuda"))
+    assert not done and [s["context"] for s in skipped] == [4096, 8192]
+    assert emptied == [True, True]  # the caches were garbage when the allocator's cache was emptied
 
 
 def test_layer_paths_reads_the_critical_path_off_a_timeline():

@@ -254,11 +254,11 @@ def main() -> int:
              [lambda w=w, t=kind: G.gemv(xq, w, t, k_dim, out_dtype=torch.bfloat16) for w in flat], flat[0].numel())
     del flat
     for n_q in (16480, 7200):
-        qkvz = [torch.randint(0, 256, (n_q, k_dim // 256 * 272), dtype=torch.uint8, device=dev)
-                for _ in range(LAYERS)]
+        q8r = [torch.randint(0, 256, (n_q, k_dim // 256 * 272), dtype=torch.uint8, device=dev)
+               for _ in range(LAYERS)]
         case(f"q8 {n_q}x{k_dim}", "strata Q8_0_R",
-             [lambda w=w: G.gemv(xq, w, "Q8_0_R", k_dim, out_dtype=torch.bfloat16) for w in qkvz], qkvz[0].numel())
-        del qkvz
+             [lambda w=w: G.gemv(xq, w, "Q8_0_R", k_dim, out_dtype=torch.bfloat16) for w in q8r], q8r[0].numel())
+        del q8r
     result = {"commit": args.commit or git_commit(), "gpu": torch.cuda.get_device_name(dev),
               "triton": triton.__version__, "copy_bandwidth_Bps": bw, "layers": LAYERS, "rows": rows}
     if args.out:

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -259,7 +260,8 @@ def bench_decode(model: Model, context: int, tokens: int = 64, runs: int = 3, se
     return out
 
 
-def each_context(measure, contexts: list[int], device: torch.device) -> tuple[list[dict], list[dict]]:
+def each_context(measure: Callable[[int], dict], contexts: list[int],
+                 device: torch.device) -> tuple[list[dict], list[dict]]:
     """`measure(ctx)` for each context, keeping what fits: a context whose caches do not fit the device is
     recorded as skipped (with torch's message) and the rest still run, so one long context that runs out of
     memory does not lose the shorter ones' figures. Returns (results, skipped)."""
@@ -267,11 +269,13 @@ def each_context(measure, contexts: list[int], device: torch.device) -> tuple[li
     for ctx in contexts:
         try:
             done.append(measure(ctx))
+            continue
         except torch.OutOfMemoryError as e:
             skipped.append({"context": ctx, "error": "out of device memory: " + str(e).splitlines()[0]})
-            print(f"ctx {ctx:>7}: skipped: {skipped[-1]['error']}", file=sys.stderr)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()  # the failed context's caches, so the next one starts clean
+        # outside the except clause: its traceback holds the failed context's tensors until the clause ends
+        print(f"ctx {ctx:>7}: skipped: {skipped[-1]['error']}", file=sys.stderr)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return done, skipped
 
 
