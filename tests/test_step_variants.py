@@ -68,6 +68,23 @@ def test_unknown_variant_is_refused(variant: str) -> None:
     sv.apply("base")
 
 
+def test_hc_variant_sets_the_knob_setting_it_names_and_refuses_one_past_the_list(monkeypatch) -> None:
+    """`hc:I` takes setting I of `hyper.hc_read_configs` (for this card's SM count); an index past the list is
+    refused by name with the range, not an IndexError in the middle of a device run."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: type("P", (), {"multi_processor_count": 132}))
+    cfg = sv.real_config()
+    configs = hyper.hc_read_configs(cfg.hc_count, cfg.hidden_size, cfg.hc_lowrank, 132)
+    try:
+        sv.apply(f"hc:{len(configs) - 1}")
+        expected = {k: v for k, v in configs[-1].items() if k != "finish_in_down"}
+        assert hyper.hc_read_defaults(cfg.hc_count, cfg.hidden_size, cfg.hc_lowrank, 132) == expected
+    finally:
+        sv.apply("base")
+    with pytest.raises(SystemExit, match=f"has {len(configs)} knob settings, 0 to {len(configs) - 1}"):
+        sv.apply(f"hc:{len(configs)}")
+    sv.apply("base")
+
+
 def test_row_major_variant_relays_the_tiled_tensors_and_back(monkeypatch) -> None:
     """`row-major:glu` re-lays the tile-major gate/up stacks (Q4_K_RT) in place as their row-major twins (Q4_K_R),
     leaving the head (Q6_K_RT) alone, and `base` puts the tile-major tensors and every byte back."""

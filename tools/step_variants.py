@@ -301,8 +301,12 @@ def _apply_one(variant: str) -> dict:
         attention.attend = functools.partial(BASE["attend"], split=int(args[0]), block_w=int(args[1]))
     elif name == "hc" and len(args) == 1:
         cfg = real_config()
-        knobs = dict(hyper.hc_read_configs(cfg.hc_count, cfg.hidden_size, cfg.hc_lowrank,
-                                           torch.cuda.get_device_properties(0).multi_processor_count)[int(args[0])])
+        configs = hyper.hc_read_configs(cfg.hc_count, cfg.hidden_size, cfg.hc_lowrank,
+                                        torch.cuda.get_device_properties(0).multi_processor_count)
+        if not 0 <= int(args[0]) < len(configs):
+            raise SystemExit(f"variant {variant!r}: the HC read has {len(configs)} knob settings, 0 to "
+                             f"{len(configs) - 1} (`hyper.hc_read_configs`)")
+        knobs = dict(configs[int(args[0])])
         knobs.pop("finish_in_down", None)
         hyper.hc_read_defaults = lambda *a: dict(knobs)
     elif name == "row-major" and len(args) == 1 and args[0] in TILE_TARGETS:
