@@ -197,6 +197,13 @@ def tiled_row(args) -> dict:
         placement.TILE_MAJOR_HEAD_MIN_ROWS = before
 
 
+def _optional(rows: list[dict], row: dict, key: str, width: int) -> str:
+    """The table cell of a column only some rows have: blank where this row lacks it, none where no row has it."""
+    if all(r.get(key) is None for r in rows):
+        return ""
+    return f"{row[key]:>{width}.2e}" if row.get(key) is not None else " " * width
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--fixtures", default="fixtures", help="folder holding qwen4exp-tiny fixture files")
@@ -228,7 +235,8 @@ def main() -> int:
                          "trace": traceback.format_exc()[-2000:]})
     print(f"{'model':<48}{'prefill':>10}{'decode':>10}{'tolerance':>11}{'greedy':>8}{'graph==eager':>14}"
           f"{'ple device':>12}{'pinned':>8}{'ahead':>7}{'split ahead':>13}"
-          + (f"{'q8 vs float':>13}{'jitter':>10}" if args.activations != "float" else ""))
+          + (f"{'q8 vs float':>13}" if any(r.get("mode_rel_diff") is not None for r in rows) else "")
+          + (f"{'jitter':>10}" if any(r.get("jitter_spread") is not None for r in rows) else ""))
     for r in rows:
         if "error" in r:
             print(f"{Path(r['model']).name:<48} ERROR {r['error'][:120]}")
@@ -237,8 +245,7 @@ def main() -> int:
                   f"{r['tolerance']:>11.1e}{str(r['greedy_equal']):>8}{str(r['captured_equals_uncaptured']):>14}"
                   f"{str(r.get('ple_device_equals_host')):>12}{str(r.get('ple_pinned_equals_host')):>8}"
                   f"{str(r.get('ahead_equals_one_by_one')):>7}{str(r.get('split_ahead_equals_one_by_one')):>13}"
-                  + (f"{r['mode_rel_diff']:>13.2e}" if r.get("mode_rel_diff") is not None else "")
-                  + (f"{r['jitter_spread']:>10.2e}" if r.get("jitter_spread") is not None else ""))
+                  + _optional(rows, r, "mode_rel_diff", 13) + _optional(rows, r, "jitter_spread", 10))
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
     return 0 if all(r["ok"] for r in rows) else 1
