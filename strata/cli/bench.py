@@ -18,7 +18,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "Qwen3.8-Flash-Next geometry, random weights in the stated type mix.")
     p.add_argument("--model", metavar="PATH", default=None, help="HF folder or GGUF file (default: synthetic)")
     p.add_argument("--contexts", default="4096,32768,131072",
-                   help="comma-separated context lengths for decode (default: 4096,32768,131072)")
+                   help="comma-separated context lengths for decode (default: 4096,32768,131072); one whose caches "
+                        "do not fit the device is skipped and named, the others still measured and written, and "
+                        "the command exits with status 2")
     p.add_argument("--tokens", type=int, default=64, help="decode tokens per timed run (default: 64)")
     p.add_argument("--runs", type=int, default=3,
                    help="timed runs per context and of prefill (after an untimed one); the median is reported")
