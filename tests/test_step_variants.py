@@ -117,3 +117,15 @@ def test_row_major_variant_relays_the_tiled_tensors_and_back(monkeypatch) -> Non
     for n, r in rows.items():
         layout = repack.TILE_LAYOUTS[kinds[n]]
         assert torch.equal(tensors[n].tiled_rows(), repack.tile_major(r, layout.tile, layout.step))
+
+def test_argmax_torch_variant_takes_greedy_tokens_call() -> None:
+    """`argmax:torch` swaps in a `graph.greedy_token` with the same call (logits, out): the captured step passes
+    the chosen id's buffer as `out` (the swap was once bare `torch.Tensor.argmax`, which took `out` as a dim)."""
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.5])
+    try:
+        sv.apply("argmax:torch")
+        out = torch.zeros((), dtype=torch.int64)
+        assert graph.greedy_token(logits, out) is out and int(out) == 1
+        assert int(graph.greedy_token(logits)) == 1
+    finally:
+        sv.apply("base")
