@@ -118,6 +118,7 @@ def test_row_major_variant_relays_the_tiled_tensors_and_back(monkeypatch) -> Non
         layout = repack.TILE_LAYOUTS[kinds[n]]
         assert torch.equal(tensors[n].tiled_rows(), repack.tile_major(r, layout.tile, layout.step))
 
+
 def test_argmax_torch_variant_takes_greedy_tokens_call() -> None:
     """`argmax:torch` swaps in a `graph.greedy_token` with the same call (logits, out): the captured step passes
     the chosen id's buffer as `out` (the swap was once bare `torch.Tensor.argmax`, which took `out` as a dim)."""
