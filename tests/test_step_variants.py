@@ -125,6 +125,7 @@ def test_argmax_torch_variant_takes_greedy_tokens_call() -> None:
     logits = torch.tensor([0.5, 3.0, -1.0, 2.5])
     try:
         sv.apply("argmax:torch")
+        assert graph.greedy_token is graph.torch_greedy_token
         out = torch.zeros((), dtype=torch.int64)
         assert graph.greedy_token(logits, out) is out and int(out) == 1
         assert int(graph.greedy_token(logits)) == 1

@@ -144,11 +144,6 @@ def _frozen_shared(x, fns):
 _frozen_shared.cache = {}
 
 
-def _torch_argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`graph.greedy_token` by torch's argmax alone (a memset and a reduction), with its signature."""
-    return logits.argmax() if out is None else out.copy_(logits.argmax())
-
-
 def _shape_override(kind: str, n_chunks: int, lo: int, hi: int, shape: tuple[int, ...]):
     def launch_shape(k: str, nch: int, tiles: int = 1 << 30) -> tuple[int, int, int, int]:
         if k == kind and nch == n_chunks and lo <= tiles < hi:
@@ -269,7 +264,7 @@ def _apply_one(variant: str) -> dict:
     elif name == "late" and len(args) == 2 and args[0] in pdl.LATE_RELEASE:
         pdl.LATE_RELEASE[args[0]] = bool(int(args[1]))
     elif name == "argmax" and args == ["torch"]:
-        graph.greedy_token = _torch_argmax
+        graph.greedy_token = graph.torch_greedy_token
     elif name == "norm-ropes" and args == ["split"]:
         return {"norm_ropes": norm_ropes_ref}
     elif name == "experts-gemm" and len(args) == 1:

@@ -80,6 +80,11 @@ class DeviceDraw:
     seed: int = 0
 
 
+def torch_greedy_token(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`greedy_token` by torch's argmax alone (a memset and a reduction kernel on a CUDA device)."""
+    return logits.argmax() if out is None else out.copy_(logits.argmax())
+
+
 def greedy_token(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """`logits.argmax()` (0-d int64; written into `out` where given), the last node of a greedy step: one Triton
     launch on a CUDA device (`strata.kernels.sample.argmax`, the same index), torch's elsewhere. Torch's is a
@@ -90,7 +95,7 @@ def greedy_token(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch
 
         if argmax_supported(logits):
             return argmax(logits, out=out)
-    return logits.argmax() if out is None else out.copy_(logits.argmax())
+    return torch_greedy_token(logits, out)
 
 
 def feed_ref(ints: torch.Tensor, token: torch.Tensor, starts: tuple[int, ...], n: int) -> None:
