@@ -45,8 +45,8 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   streams:off                the shared expert on the caller's stream, after the routed experts (no side stream)
   shared:removed             the shared expert's launches left out of the graph (its output from the warm-up; no
                              side stream, so no join before the combine): bounds what a join-free MoE could gain
-  argmax:torch               the greedy step ends in torch's argmax (a memset and a reduction) instead of one Triton
-                             launch (`graph.greedy_token`)
+  argmax:torch               the greedy step ends in torch's argmax (`graph.torch_greedy_token`: a memset and a
+                             reduction) instead of one Triton launch (`graph.greedy_token`)
   norm-ropes:split           the QSA layer's two query norm+RoPE ops in two launches (`qsa.norm_ropes_ref` over the
                              single kernel) instead of one (`norm_rope.norm_ropes`)
   activations:q8             products with quantized weights take Q8 activations (`strata generate --activations
