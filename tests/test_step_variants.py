@@ -13,6 +13,7 @@ import torch  # noqa: E402
 from strata.kernels import attention, experts_gemm, gdn, gemv_q8x, gemv_rr, hyper, pdl  # noqa: E402
 from strata.kernels import gemv as kernel_gemv  # noqa: E402
 from strata.kernels import ops as kernel_ops  # noqa: E402
+from strata.model.moe import moe_combine_ref  # noqa: E402
 from strata.runtime import graph  # noqa: E402
 
 from tests.tool_module import load_tool  # noqa: E402
@@ -20,8 +21,8 @@ from tests.tool_module import load_tool  # noqa: E402
 sv = load_tool("step_variants")
 
 # every form of the module's docstring that needs no CUDA device to parse (hc:I reads the SM count)
-VARIANTS = ["base", "select:removed", "select:radix", "route:removed", "release:after-loop", "gdn:16",
-            "gdn:16:1",
+VARIANTS = ["base", "select:removed", "select:radix", "route:removed", "combine:removed", "release:after-loop",
+            "gdn:16", "gdn:16:1",
             "preload:Q4_K_R:3", "preload:Q8_0_R/6:2", "preload:q8:Q8_0_R/6:3", "preload:q8:Q4_K_R:5",
             "gemv-type:Q8_0:4,2,1", "ids-early:off", "select:ranked:8:1024", "attend:64:32", "hc-up:8",
             "row-major:glu", "row-major:glu+row-major:head",
@@ -129,5 +130,23 @@ def test_argmax_torch_variant_takes_greedy_tokens_call() -> None:
         out = torch.zeros((), dtype=torch.int64)
         assert graph.greedy_token(logits, out) is out and int(out) == 1
         assert int(graph.greedy_token(logits)) == 1
+    finally:
+        sv.apply("base")
+
+
+def test_combine_removed_variant_swaps_the_moe_combine_and_freezes_it_under_capture(monkeypatch) -> None:
+    """`combine:removed` swaps only `Ops.moe_combine`: outside a capture (the warm-up) it computes the combine;
+    while capturing it launches nothing and returns the warm-up's output (`_frozen`)."""
+    g = torch.Generator().manual_seed(0)
+    routed, shared = torch.randn(1, 64, generator=g), torch.randn(1, 64, generator=g)
+    gate = torch.randn(1, 1, generator=g)
+    try:
+        swaps = sv.apply("combine:removed")
+        assert set(swaps) == {"moe_combine"}
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        warm = swaps["moe_combine"](routed, gate, shared)
+        torch.testing.assert_close(warm, moe_combine_ref(routed, gate, shared))
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        torch.testing.assert_close(swaps["moe_combine"](-routed, gate, shared), warm)
     finally:
         sv.apply("base")

@@ -17,6 +17,8 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   select:removed             the QSA selection's launch left out of the graph (outputs from the warm-up)
   select:radix               the one-program radix select instead of the ranked one
   route:removed              the MoE routing's launch left out of the graph (ids and weights from the warm-up)
+  combine:removed            the MoE combine's launch left out of the graph (its output from the warm-up; the
+                             side stream still joined): bounds folding the combine into the routed down's tail
   release:after-loop         launches by expert ids let the next kernel in only after their K loop
                              (`gemv_rr.RELEASE["ids"]`)
   gdn:BV[:W]                 the GDN step with BV value columns per program and W warps (default 4) (`gdn.gdn_step`'s
@@ -241,6 +243,8 @@ def _apply_one(variant: str) -> dict:
         return {}
     if name == "route" and args == ["removed"]:
         return {"route": _frozen(moe.route, 3)}
+    if name == "combine" and args == ["removed"]:
+        return {"moe_combine": _frozen(moe.moe_combine, 3)}
     if name == "gemv-type" and len(args) == 2:
         rows, warps, split = (int(v) for v in args[1].split(","))
         t = dataclasses.replace(kernel_gemv.GEMV_TYPE_NAMES[args[0]], small=(rows, warps) if rows else None,
