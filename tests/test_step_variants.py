@@ -135,18 +135,25 @@ def test_argmax_torch_variant_takes_greedy_tokens_call() -> None:
 
 
 def test_combine_removed_variant_swaps_the_moe_combine_and_freezes_it_under_capture(monkeypatch) -> None:
-    """`combine:removed` swaps only `Ops.moe_combine`: outside a capture (the warm-up) it computes the combine;
-    while capturing it launches nothing and returns the warm-up's output (`_frozen`)."""
+    """`combine:removed` swaps only `Ops.moe_combine`: outside a capture (a warm-up) it computes the combine;
+    while capturing it launches nothing and returns the first warm-up's output, the same tensor every time: a
+    later warm-up must not replace (and so free) what an earlier captured graph reads (`_frozen`)."""
     g = torch.Generator().manual_seed(0)
     routed, shared = torch.randn(1, 64, generator=g), torch.randn(1, 64, generator=g)
     gate = torch.randn(1, 1, generator=g)
     try:
         swaps = sv.apply("combine:removed")
         assert set(swaps) == {"moe_combine"}
-        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-        warm = swaps["moe_combine"](routed, gate, shared)
-        torch.testing.assert_close(warm, moe_combine_ref(routed, gate, shared))
-        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-        torch.testing.assert_close(swaps["moe_combine"](-routed, gate, shared), warm)
+        capturing = [False]
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+        combine = swaps["moe_combine"]
+        torch.testing.assert_close(combine(routed, gate, shared), moe_combine_ref(routed, gate, shared))
+        capturing[0] = True
+        held = combine(-routed, gate, shared)
+        torch.testing.assert_close(held, moe_combine_ref(routed, gate, shared))
+        capturing[0] = False  # another form's warm-up, with other values
+        torch.testing.assert_close(combine(-routed, gate, shared), moe_combine_ref(-routed, gate, shared))
+        capturing[0] = True
+        assert combine(routed, gate, shared) is held
     finally:
         sv.apply("base")

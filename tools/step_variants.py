@@ -118,9 +118,11 @@ PREFILL = {"chunk": 512}  # the prefill's chunk size for the variant being measu
 
 
 def _frozen(fn, nargs: int):
-    """`fn` of its first `nargs` arguments run only while not capturing; the captured step reuses the warm-up's
-    outputs (cloned; one entry per argument shapes and values, whatever layer), so the launch is left out of the
-    graph and a probe bounds what a faster kernel there could gain."""
+    """`fn` of its first `nargs` arguments run only while not capturing; the captured step reuses the first
+    warm-up's outputs (cloned; one entry per argument shapes and values, whatever layer), so the launch is left out
+    of the graph and a probe bounds what a faster kernel there could gain. An entry is never replaced: a graph
+    captured earlier reads it, and a later warm-up (a step captures several graphs) would free it under that graph
+    (the routing's freed ids sent the routed experts' loads out of bounds)."""
     cache = {}
 
     def frozen(*args, **_):
@@ -128,17 +130,20 @@ def _frozen(fn, nargs: int):
         key = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args)
         if not torch.cuda.is_current_stream_capturing():
             out = fn(*args)
-            cache[key] = tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
+            if key not in cache:
+                cache[key] = tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
+            return out
         return cache[key]
     return frozen
 
 
 def _frozen_shared(x, fns):
     """`Ops.branches` of a MoE layer with the shared expert (branch 1) computed only while not capturing: the
-    captured step runs the routed branch alone and combines with the warm-up's shared output."""
+    captured step runs the routed branch alone and combines with the first warm-up's shared output (kept, as
+    `_frozen` keeps its entries)."""
     if not torch.cuda.is_current_stream_capturing():
         outs = branches_ref(x, fns)
-        _frozen_shared.cache[tuple(x.shape)] = outs[1].clone()
+        _frozen_shared.cache.setdefault(tuple(x.shape), outs[1].clone())
         return outs
     return [fns[0](), _frozen_shared.cache[tuple(x.shape)]]
 
