@@ -157,3 +157,19 @@ def test_combine_removed_variant_swaps_the_moe_combine_and_freezes_it_under_capt
         assert combine(routed, gate, shared) is held
     finally:
         sv.apply("base")
+
+
+def test_shared_removed_keeps_the_first_warm_ups_shared_output(monkeypatch) -> None:
+    """`shared:removed` (`_frozen_shared`): a later warm-up does not replace the shared output an earlier captured
+    graph reads; while capturing only the routed branch runs."""
+    monkeypatch.setattr(sv._frozen_shared, "cache", {})
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    x = torch.zeros(1, 4)
+    calls = []
+    first = sv._frozen_shared(x, [lambda: calls.append("routed") or "y", lambda: torch.ones(1, 4)])
+    sv._frozen_shared(x, [lambda: "y", lambda: torch.full((1, 4), 2.0)])  # another form's warm-up
+    capturing[0] = True
+    routed, held = sv._frozen_shared(x, [lambda: calls.append("routed") or "y", lambda: calls.append("shared")])
+    assert first[1].tolist() == [[1.0] * 4] and routed == "y" and torch.equal(held, torch.ones(1, 4))
+    assert calls == ["routed", "routed"]

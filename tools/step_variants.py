@@ -143,7 +143,8 @@ def _frozen_shared(x, fns):
     `_frozen` keeps its entries)."""
     if not torch.cuda.is_current_stream_capturing():
         outs = branches_ref(x, fns)
-        _frozen_shared.cache.setdefault(tuple(x.shape), outs[1].clone())
+        if tuple(x.shape) not in _frozen_shared.cache:
+            _frozen_shared.cache[tuple(x.shape)] = outs[1].clone()
         return outs
     return [fns[0](), _frozen_shared.cache[tuple(x.shape)]]
 
