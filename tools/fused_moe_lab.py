@@ -1,0 +1,300 @@
+"""The routed experts' GLU and down projections in one launch with no dependency between its programs (a lab; run
+on the device box, the kernel check also under TRITON_INTERPRET=1).
+
+In the decode step the routed GLU and the routed down projections are a PDL pair: the down's programs wait for
+the whole GLU, then read h, multiply and sum the slots (~23 us of a GDN layer's path on an H100 from the routing's
+end, against ~12 us in which one launch can merely stream both launches' bytes, `tools/stream_lab.py`). Here
+program (chunk c, slot s) computes h = SiLU(G a) * (U a) for C = 32 NB intermediate features of its slot's
+expert, then that expert's down projection over those C columns for all H rows: a partial product of its own,
+needing no other program's h. The partial products (slots x I / C of H fp32 each) are summed by the launch that
+follows, which the step has anyway: the MoE combine (here `combine_parts`: chunks in order, then the slots
+weighted in order, rounded once; then the shared expert's gated add, as `moe.moe_combine`).
+
+The down projections are read column chunk by column chunk: an expert's Q5_1_R blocks re-laid as `down_planes`
+([I / C chunks][H rows x 2 NB header words][H rows x 4 NB nibble words], the words of each block as Q5_1_R holds
+them), so a program's bytes are two contiguous planes.
+
+Timed as 48 layers back to back in a CUDA graph with PDL, each layer its own stacks (64 experts each, the slots'
+experts random): the step's pair (GLU, down with the slot sum, combine) against the fused launch and the combine
+of its parts, in several launch shapes.
+
+    python tools/fused_moe_lab.py --out fused-moe-lab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from strata.kernels import gemv as G  # noqa: E402
+from strata.kernels import gemv_blocks as gb  # noqa: E402
+from strata.kernels import gemv_rr as rr  # noqa: E402
+from strata.kernels import pdl  # noqa: E402
+from strata.kernels.moe import moe_combine  # noqa: E402
+from strata.model.moe import moe_combine_ref  # noqa: E402
+from strata.weights import repack  # noqa: E402
+
+HIDDEN, INTER, SLOTS, LAYERS, EXPERTS = 2560, 640, 10, 48, 64
+Q4_K_RT_TILE, Q4_K_RT_STEP = 4, 288
+
+
+@triton.jit
+def _fused_kernel(x_ptr, g_ptr, u_ptr, d_ptr, ids_ptr, h_ptr, part_ptr, e_stride, d_stride, BASE, X0, D_STRIDE,
+                  H: tl.constexpr, I: tl.constexpr, NB: tl.constexpr, RD: tl.constexpr, PRE: tl.constexpr,
+                  ASM: tl.constexpr, XA: tl.constexpr, GDC: tl.constexpr = False):
+    """Program (c, slot): h[slot, cC:(c+1)C] (C = 32 NB) from the Q4_K_RT gate/up rows, then the partial down
+    product part[slot, c, :] = D[e][:, cC:(c+1)C] h[cC:(c+1)C] from the column planes (`down_planes`)."""
+    pdl.wait(GDC)  # the expert ids are written by the launch before
+    pdl.started(GDC)
+    C: tl.constexpr = 32 * NB
+    NCK: tl.constexpr = I // C
+    BR: tl.constexpr = 2 * C
+    NCH: tl.constexpr = H // 256
+    c = tl.program_id(0)
+    slot = tl.program_id(1).to(tl.int64)
+    e = tl.load(ids_ptr + slot, cache_modifier=".cg").to(tl.int64)
+    r = tl.arange(0, BR)
+    rows = (c * C + r % C).to(tl.int64)
+    off = gb.row_offsets(rows, NCH * 144, 4, 288)
+    rp = tl.where(r < C, g_ptr + e * e_stride + off, u_ptr + e * e_stride + off)
+    rp = tl.multiple_of(rp, 16)
+    xp = (x_ptr + r * X0)[:, None, None, None]
+    res = rr._super_block_rows(rp, xp, tl.full([BR, 2, 4, 4], 0, tl.int32) + BASE, NCH, 2, BR, ASM, False, False,
+                               False, XA, PRE, False, 8)
+    gg, uu = tl.split(tl.permute(tl.reshape(res, [2, C]), (1, 0)))
+    dt: tl.constexpr = h_ptr.dtype.element_ty
+    gg = gb.rounded(gg, dt)
+    y = gb.rounded(gg / (1.0 + tl.exp(-gg)), dt) * gb.rounded(uu, dt)
+    hp = h_ptr + slot * I + c * C
+    tl.store(hp + tl.arange(0, C), gb.cast(y, dt))
+    tl.debug_barrier()  # the program's h is stored before its threads read it
+    dbase = d_ptr + e * d_stride + c * (H * 24 * NB)
+    hw = dbase.to(tl.pointer_type(tl.int32))
+    nw = (dbase + H * 8 * NB).to(tl.pointer_type(tl.int32))
+    rd = tl.arange(0, RD)[:, None, None, None]
+    s = tl.arange(0, 1)[None, :, None, None]
+    blk = tl.arange(0, NB)[None, None, :, None]
+    k = tl.arange(0, 4)[None, None, None, :]
+    xd = (hp + rd * X0)
+    base = tl.full([RD, 1, NB, 4], 0, tl.int32) + BASE
+    NT: tl.constexpr = H // RD
+    pp = part_ptr + (slot * NCK + c) * H
+    nxt = _down_load(hw, nw, rd, blk, k, NB, D_STRIDE)
+    for t in range(NT):
+        cur = nxt
+        nxt = _down_load(hw, nw, tl.minimum(t + 1, NT - 1) * RD + rd, blk, k, NB, D_STRIDE)
+        acc = tl.zeros([RD, 1, NB, 4], tl.float32)
+        acc = rr._q5_1_r_fma(acc, cur, xd, 0, s, blk, k, base, ASM, XA)
+        f = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+        tl.store(pp + t * RD + tl.arange(0, RD), f)
+
+
+@triton.jit
+def _down_load(hw, nw, rows, blk, k, NB: tl.constexpr, D_STRIDE):
+    """(nibble words, (d, m) words, qh words) of `rows` of a chunk's planes, as `gemv_rr._q5_1_r_load` gives them."""
+    hrow = hw + rows * (2 * NB)
+    return tl.load(nw + rows * (4 * NB) + blk * 4 + k), tl.load(hrow + blk * D_STRIDE), \
+        tl.load(hrow + NB + blk * D_STRIDE)
+
+
+@triton.jit
+def _combine_parts_kernel(part_ptr, sw_ptr, gate_ptr, shared_ptr, out_ptr, H, S: tl.constexpr, NCK: tl.constexpr,
+                          BH: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr = False):
+    pdl.enter(GDC)
+    h = tl.program_id(0) * BH + tl.arange(0, BH)
+    hm = h < H
+    routed = tl.zeros([BH], tl.float32)
+    for j in tl.static_range(S):
+        f = tl.zeros([BH], tl.float32)
+        for c in tl.static_range(NCK):
+            f += tl.load(part_ptr + (j * NCK + c) * H + h, mask=hm, other=0.0, cache_modifier=".cg")
+        routed += f * tl.load(sw_ptr + j).to(tl.float32)
+    r = gb.rounded(routed, DT)
+    g = tl.load(gate_ptr).to(tl.float32)
+    sig = gb.rounded(1.0 / (1.0 + tl.exp(-g)), DT)
+    s = tl.load(shared_ptr + h, mask=hm, other=0.0).to(tl.float32)
+    tl.store(out_ptr + h, gb.cast(r + gb.rounded(sig * s, DT), DT), mask=hm)
+
+
+def down_planes(rows: torch.Tensor, nb: int) -> torch.Tensor:
+    """Q5_1_R expert stacks (E, H, I / 128 * 96) -> the same blocks as column planes, (E, H * I / 32 * 24) uint8:
+    per chunk of nb blocks (32 nb columns), [H x (d, m) words of its blocks, then their qh words][H x their 16
+    nibble bytes each]."""
+    e, h, nbytes = rows.shape
+    nblk = nbytes // 24
+    w = rows.contiguous().view(torch.int32).reshape(e, h, nblk // 4, 24)
+    dm = w[..., 0:4].reshape(e, h, nblk)
+    qh = w[..., 4:8].reshape(e, h, nblk)
+    nib = w[..., 8:24].reshape(e, h, nblk, 4)
+    nck = nblk // nb
+    hdr = torch.cat([dm.reshape(e, h, nck, nb), qh.reshape(e, h, nck, nb)], -1).permute(0, 2, 1, 3)
+    nbl = nib.reshape(e, h, nck, nb * 4).permute(0, 2, 1, 3)
+    planes = torch.cat([hdr.reshape(e, nck, h * 2 * nb), nbl.reshape(e, nck, h * 4 * nb)], -1)
+    return planes.contiguous().view(torch.uint8).reshape(e, -1)
+
+
+class Fused:
+    """The fused launch and its combine for one layer's stacks, with its scratch (h, partial products)."""
+
+    def __init__(self, gate_t: torch.Tensor, up_t: torch.Tensor, planes: torch.Tensor, nb: int, rd: int,
+                 warps: int, pre: int, combine_bh: int, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.gate, self.up, self.planes = gate_t, up_t, planes
+        self.nb, self.rd, self.warps, self.pre, self.bh = nb, rd, warps, pre, combine_bh
+        self.inter = gate_t.shape[1]
+        self.nck = self.inter // (32 * nb)
+        hid = planes.shape[1] // (self.inter // 32 * 24)
+        self.h = torch.empty(SLOTS_MAX, self.inter, dtype=dtype, device=gate_t.device)
+        self.part = torch.empty(SLOTS_MAX * self.nck, hid, dtype=torch.float32, device=gate_t.device)
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, sw: torch.Tensor, gate_logit: torch.Tensor,
+                 shared: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        slots, hid = ids.shape[0], x.shape[-1]
+        dev = x.device
+        cuda = dev.type == "cuda"
+        _fused_kernel[(self.nck, slots)](
+            x, self.gate, self.up, self.planes, ids, self.h, self.part, self.gate.stride(0), self.planes.stride(0),
+            0x3F000000, 0, 1, H=hid, I=self.inter, NB=self.nb, RD=self.rd, PRE=min(self.pre, hid // 512), ASM=cuda,
+            XA=rr.WIDEN_X_ASM if cuda else False, num_warps=self.warps, **pdl.launch(dev))
+        _combine_parts_kernel[(triton.cdiv(hid, self.bh),)](
+            self.part, sw, gate_logit, shared, out, hid, S=slots, NCK=self.nck, BH=self.bh,
+            DT=tl.bfloat16 if out.dtype == torch.bfloat16 else tl.float32, num_warps=max(1, self.bh // 32),
+            **pdl.launch(dev))
+        return out
+
+
+SLOTS_MAX = 16
+
+
+def random_q(name: str, shape: tuple[int, ...], k: int, gen: torch.Generator, device: str) -> torch.Tensor:
+    """Random stored rows of a block type (`tools/gpu_check_gemv.random_rows`, on any device)."""
+    t = G.gemv_type(name)
+    nb = k // t.block_elems
+    data = torch.randint(0, 256, (*shape, nb, t.block_bytes), dtype=torch.uint8, generator=gen, device=device)
+    for off in t.f16_fields:
+        mag = torch.rand((*shape, nb), generator=gen, device=device) * 0.015 + 0.005
+        sign = torch.randint(0, 2, (*shape, nb), generator=gen, device=device) * 2 - 1
+        data[..., off:off + 2] = (mag * sign).to(torch.float16).view(torch.uint8).reshape(*shape, nb, 2)
+    return data.reshape(*shape, nb * t.block_bytes)
+
+
+def make_layer(e: int, h: int, inter: int, gen: torch.Generator, device: str) -> dict:
+    """One layer's stacks: gate/up as Q4_K_RT (from random Q4_K_R rows), down as Q5_1_R rows."""
+    gate = repack.tile_major(random_q("Q4_K_R", (e, inter), h, gen, device), Q4_K_RT_TILE, Q4_K_RT_STEP)
+    up = repack.tile_major(random_q("Q4_K_R", (e, inter), h, gen, device), Q4_K_RT_TILE, Q4_K_RT_STEP)
+    down = random_q("Q5_1_R", (e, h), inter, gen, device)
+    return {"gate": gate, "up": up, "down": down}
+
+
+def pair(layer: dict, x: torch.Tensor, ids: torch.Tensor, sw: torch.Tensor, gate_logit: torch.Tensor,
+         shared: torch.Tensor, combine=moe_combine) -> torch.Tensor:
+    """The step's launches: GLU, down with the slot sum (ids settled), combine."""
+    h_dim, inter = x.shape[-1], layer["gate"].shape[1]
+    h = G.gemv_experts_glu(x, layer["gate"], layer["up"], ids, "Q4_K_RT", h_dim, out_dtype=x.dtype)
+    routed = G.gemv_experts_sum(h, layer["down"], ids, sw, "Q5_1_R", inter, out_dtype=x.dtype, ids_settled=True)
+    return combine(routed, gate_logit, shared)
+
+
+def check(device: str, h: int, inter: int, e: int, slots: int, shapes: list[tuple[int, int, int, int, int]],
+          seed: int = 0) -> list[dict]:
+    """Each fused shape against the pair's GLU and down on the same weights, combined by the model's formula
+    (`moe_combine_ref`; the interpreter truncates casts to bf16, which `moe_combine`'s kernel uses): the largest
+    absolute and relative differences of the output and how many of its values differ."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    layer = make_layer(e, h, inter, gen, device)
+    x = torch.randn(1, h, generator=gen, device=device).to(torch.bfloat16)
+    ids = torch.randperm(e, generator=gen, device=device)[:slots].to(torch.int32)
+    sw = torch.softmax(torch.randn(slots, generator=gen, device=device), 0).to(torch.bfloat16)
+    gate_logit = torch.randn(1, 1, generator=gen, device=device).to(torch.bfloat16)
+    shared = (torch.randn(1, h, generator=gen, device=device) * 0.1).to(torch.bfloat16)
+    want = pair(layer, x, ids, sw, gate_logit, shared, moe_combine_ref).float()
+    rows = []
+    for nb, rd, warps, pre, bh in shapes:
+        f = Fused(layer["gate"], layer["up"], down_planes(layer["down"], nb), nb, rd, warps, pre, bh)
+        got = f(x, ids, sw, gate_logit, shared, torch.empty(1, h, dtype=torch.bfloat16, device=device)).float()
+        diff = (got - want).abs()
+        rel = (diff / want.abs().clamp_min(1e-30)).max().item()
+        rows.append({"shape": [nb, rd, warps, pre, bh], "max_abs": diff.max().item(), "max_rel": rel,
+                     "scale": want.abs().max().item(), "differing": int((diff > 0).sum().item())})
+    return rows
+
+
+def time_layers(calls: list, replays: int = 20) -> float:
+    """us per layer: the layers' calls captured back to back in one graph, median over replays."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+SHAPES = [(1, 256, 8, 1, 32), (1, 256, 8, 5, 32), (1, 512, 16, 5, 32), (2, 256, 8, 5, 64), (2, 128, 4, 5, 64),
+          (2, 256, 16, 5, 64), (1, 128, 4, 5, 32), (4, 128, 8, 5, 64)]
+"""(NB, RD, warps, PRE, combine BH) of the fused launches timed."""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--commit", default=None)
+    args = ap.parse_args()
+    pdl.set_enabled(True)
+    report: dict = {"commit": args.commit, "gpu": torch.cuda.get_device_name(0), "geometry": {
+        "hidden": HIDDEN, "inter": INTER, "slots": SLOTS, "layers": LAYERS, "experts_per_stack": EXPERTS}}
+    report["check"] = check("cuda", HIDDEN, INTER, EXPERTS, SLOTS, SHAPES)
+    for row in report["check"]:
+        print("check", row, flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    layers = [make_layer(EXPERTS, HIDDEN, INTER, gen, "cuda") for _ in range(LAYERS)]
+    x = torch.randn(1, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
+    ids = [torch.randperm(EXPERTS, generator=gen, device="cuda")[:SLOTS].to(torch.int32) for _ in range(LAYERS)]
+    sw = torch.softmax(torch.randn(SLOTS, generator=gen, device="cuda"), 0).to(torch.bfloat16)
+    gl = torch.randn(1, 1, generator=gen, device="cuda").to(torch.bfloat16)
+    shared = (torch.randn(1, HIDDEN, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
+    rows = []
+    calls = [lambda i=i: pair(layers[i], x, ids[i], sw, gl, shared) for i in range(LAYERS)]
+    us = time_layers(calls)
+    rows.append({"launches": "pair (GLU, down + slot sum, combine)", "us_per_layer": us})
+    print(f"{'pair':<40}{us:8.2f} us per layer", flush=True)
+    for nb, rd, warps, pre, bh in SHAPES:
+        fs = []
+        for i in range(LAYERS):
+            lay = layers[i]
+            fs.append(Fused(lay["gate"], lay["up"], down_planes(lay["down"], nb), nb, rd, warps, pre, bh))
+        out = torch.empty(1, HIDDEN, dtype=torch.bfloat16, device="cuda")
+        calls = [lambda i=i: fs[i](x, ids[i], sw, gl, shared, out) for i in range(LAYERS)]
+        us = time_layers(calls)
+        name = f"fused nb={nb} rd={rd} warps={warps} pre={pre} bh={bh}"
+        rows.append({"launches": name, "us_per_layer": us})
+        print(f"{name:<40}{us:8.2f} us per layer", flush=True)
+        del fs
+        torch.cuda.empty_cache()
+    report["timings"] = rows
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
