@@ -50,9 +50,10 @@ Q4_K_RT_TILE, Q4_K_RT_STEP = 4, 288
 @triton.jit
 def _fused_kernel(x_ptr, g_ptr, u_ptr, d_ptr, ids_ptr, h_ptr, part_ptr, e_stride, d_stride, BASE, X0, D_STRIDE,
                   H: tl.constexpr, I: tl.constexpr, NB: tl.constexpr, RD: tl.constexpr, PRE: tl.constexpr,
-                  ASM: tl.constexpr, XA: tl.constexpr, GDC: tl.constexpr = False):
+                  ROWS: tl.constexpr, ASM: tl.constexpr, XA: tl.constexpr, GDC: tl.constexpr = False):
     """Program (c, slot): h[slot, cC:(c+1)C] (C = 32 NB) from the Q4_K_RT gate/up rows, then the partial down
-    product part[slot, c, :] = D[e][:, cC:(c+1)C] h[cC:(c+1)C] from the column planes (`down_planes`)."""
+    product part[slot, c, :] = D[e][:, cC:(c+1)C] h[cC:(c+1)C] from the column planes (`down_planes`), or with
+    ROWS from the Q5_1_R rows as stored (NB <= 4: its blocks' pieces of a row's 96-byte group of four)."""
     pdl.wait(GDC)  # the expert ids are written by the launch before
     pdl.started(GDC)
     C: tl.constexpr = 32 * NB
@@ -77,21 +78,28 @@ def _fused_kernel(x_ptr, g_ptr, u_ptr, d_ptr, ids_ptr, h_ptr, part_ptr, e_stride
     hp = h_ptr + slot * I + c * C
     tl.store(hp + tl.arange(0, C), gb.cast(y, dt))
     tl.debug_barrier()  # the program's h is stored before its threads read it
-    dbase = d_ptr + e * d_stride + c * (H * 24 * NB)
-    hw = dbase.to(tl.pointer_type(tl.int32))
-    nw = (dbase + H * 8 * NB).to(tl.pointer_type(tl.int32))
     rd = tl.arange(0, RD)[:, None, None, None]
     s = tl.arange(0, 1)[None, :, None, None]
-    blk = tl.arange(0, NB)[None, None, :, None]
     k = tl.arange(0, 4)[None, None, None, :]
-    xd = (hp + rd * X0)
+    if ROWS:  # the chunk's blocks within the row's group of four; h addressed from the group's start
+        grp = (c * NB) // 4
+        blk = (c * NB) % 4 + tl.arange(0, NB)[None, None, :, None]
+        hw = (d_ptr + e * d_stride + grp * 96).to(tl.pointer_type(tl.int32))
+        nw = hw
+        xd = (h_ptr + slot * I + grp * 128 + rd * X0)
+    else:
+        blk = tl.arange(0, NB)[None, None, :, None]
+        dbase = d_ptr + e * d_stride + c * (H * 24 * NB)
+        hw = dbase.to(tl.pointer_type(tl.int32))
+        nw = (dbase + H * 8 * NB).to(tl.pointer_type(tl.int32))
+        xd = (hp + rd * X0)
     base = tl.full([RD, 1, NB, 4], 0, tl.int32) + BASE
     NT: tl.constexpr = H // RD
     pp = part_ptr + (slot * NCK + c) * H
-    nxt = _down_load(hw, nw, rd, blk, k, NB, D_STRIDE)
+    nxt = _down_load(hw, nw, rd, blk, k, NB, D_STRIDE, ROWS, I)
     for t in range(NT):
         cur = nxt
-        nxt = _down_load(hw, nw, tl.minimum(t + 1, NT - 1) * RD + rd, blk, k, NB, D_STRIDE)
+        nxt = _down_load(hw, nw, tl.minimum(t + 1, NT - 1) * RD + rd, blk, k, NB, D_STRIDE, ROWS, I)
         acc = tl.zeros([RD, 1, NB, 4], tl.float32)
         acc = rr._q5_1_r_fma(acc, cur, xd, 0, s, blk, k, base, ASM, XA)
         f = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
@@ -99,8 +107,11 @@ def _fused_kernel(x_ptr, g_ptr, u_ptr, d_ptr, ids_ptr, h_ptr, part_ptr, e_stride
 
 
 @triton.jit
-def _down_load(hw, nw, rows, blk, k, NB: tl.constexpr, D_STRIDE):
-    """(nibble words, (d, m) words, qh words) of `rows` of a chunk's planes, as `gemv_rr._q5_1_r_load` gives them."""
+def _down_load(hw, nw, rows, blk, k, NB: tl.constexpr, D_STRIDE, ROWS: tl.constexpr, I: tl.constexpr):
+    """(nibble words, (d, m) words, qh words) of `rows` of a chunk's planes (or with ROWS of the Q5_1_R rows at hw,
+    blocks blk of their group), as `gemv_rr._q5_1_r_load` gives them."""
+    if ROWS:
+        return rr._q5_1_r_load(hw + rows * (I // 32 * 6), 0, blk, k, D_STRIDE)
     hrow = hw + rows * (2 * NB)
     return tl.load(nw + rows * (4 * NB) + blk * 4 + k), tl.load(hrow + blk * D_STRIDE), \
         tl.load(hrow + NB + blk * D_STRIDE)
@@ -145,13 +156,16 @@ def down_planes(rows: torch.Tensor, nb: int) -> torch.Tensor:
 class Fused:
     """The fused launch and its combine for one layer's stacks, with its scratch (h, partial products)."""
 
-    def __init__(self, gate_t: torch.Tensor, up_t: torch.Tensor, planes: torch.Tensor, nb: int, rd: int,
-                 warps: int, pre: int, combine_bh: int, dtype: torch.dtype = torch.bfloat16) -> None:
-        self.gate, self.up, self.planes = gate_t, up_t, planes
+    def __init__(self, gate_t: torch.Tensor, up_t: torch.Tensor, down: torch.Tensor, nb: int, rd: int,
+                 warps: int, pre: int, combine_bh: int, rows: bool = False, dtype: torch.dtype = torch.bfloat16,
+                 ) -> None:
+        """down: the column planes (`down_planes` of nb), or with rows the Q5_1_R stack (E, H, row bytes)."""
+        self.gate, self.up, self.rows = gate_t, up_t, rows
+        self.planes = down.reshape(down.shape[0], -1)
         self.nb, self.rd, self.warps, self.pre, self.bh = nb, rd, warps, pre, combine_bh
         self.inter = gate_t.shape[1]
         self.nck = self.inter // (32 * nb)
-        hid = planes.shape[1] // (self.inter // 32 * 24)
+        hid = self.planes.shape[1] // (self.inter // 32 * 24)
         self.h = torch.empty(SLOTS_MAX, self.inter, dtype=dtype, device=gate_t.device)
         self.part = torch.empty(SLOTS_MAX * self.nck, hid, dtype=torch.float32, device=gate_t.device)
 
@@ -162,7 +176,7 @@ class Fused:
         cuda = dev.type == "cuda"
         _fused_kernel[(self.nck, slots)](
             x, self.gate, self.up, self.planes, ids, self.h, self.part, self.gate.stride(0), self.planes.stride(0),
-            0x3F000000, 0, 1, H=hid, I=self.inter, NB=self.nb, RD=self.rd, PRE=min(self.pre, hid // 512), ASM=cuda,
+            0x3F000000, 0, 1, H=hid, I=self.inter, NB=self.nb, RD=self.rd, PRE=min(self.pre, hid // 512), ROWS=self.rows, ASM=cuda,
             XA=rr.WIDEN_X_ASM if cuda else False, num_warps=self.warps, **pdl.launch(dev))
         _combine_parts_kernel[(triton.cdiv(hid, self.bh),)](
             self.part, sw, gate_logit, shared, out, hid, S=slots, NCK=self.nck, BH=self.bh,
@@ -203,7 +217,7 @@ def pair(layer: dict, x: torch.Tensor, ids: torch.Tensor, sw: torch.Tensor, gate
     return combine(routed, gate_logit, shared)
 
 
-def check(device: str, h: int, inter: int, e: int, slots: int, shapes: list[tuple[int, int, int, int, int]],
+def check(device: str, h: int, inter: int, e: int, slots: int, shapes: list[tuple[int, int, int, int, int, bool]],
           seed: int = 0) -> list[dict]:
     """Each fused shape against the pair's GLU and down on the same weights, combined by the model's formula
     (`moe_combine_ref`; the interpreter truncates casts to bf16, which `moe_combine`'s kernel uses): the largest
@@ -217,12 +231,13 @@ def check(device: str, h: int, inter: int, e: int, slots: int, shapes: list[tupl
     shared = (torch.randn(1, h, generator=gen, device=device) * 0.1).to(torch.bfloat16)
     want = pair(layer, x, ids, sw, gate_logit, shared, moe_combine_ref).float()
     rows = []
-    for nb, rd, warps, pre, bh in shapes:
-        f = Fused(layer["gate"], layer["up"], down_planes(layer["down"], nb), nb, rd, warps, pre, bh)
+    for nb, rd, warps, pre, bh, rows_ in shapes:
+        down = layer["down"] if rows_ else down_planes(layer["down"], nb)
+        f = Fused(layer["gate"], layer["up"], down, nb, rd, warps, pre, bh, rows_)
         got = f(x, ids, sw, gate_logit, shared, torch.empty(1, h, dtype=torch.bfloat16, device=device)).float()
         diff = (got - want).abs()
         rel = (diff / want.abs().clamp_min(1e-30)).max().item()
-        rows.append({"shape": [nb, rd, warps, pre, bh], "max_abs": diff.max().item(), "max_rel": rel,
+        rows.append({"shape": [nb, rd, warps, pre, bh, "rows" if rows_ else "planes"], "max_abs": diff.max().item(), "max_rel": rel,
                      "scale": want.abs().max().item(), "differing": int((diff > 0).sum().item())})
     return rows
 
@@ -249,9 +264,11 @@ def time_layers(calls: list, replays: int = 20) -> float:
     return statistics.median(times)
 
 
-SHAPES = [(1, 256, 8, 1, 32), (1, 256, 8, 5, 32), (1, 512, 16, 5, 32), (2, 256, 8, 5, 64), (2, 128, 4, 5, 64),
-          (2, 256, 16, 5, 64), (1, 128, 4, 5, 32), (4, 128, 8, 5, 64)]
-"""(NB, RD, warps, PRE, combine BH) of the fused launches timed."""
+SHAPES = [(1, 256, 8, 1, 32, False), (1, 256, 8, 5, 32, False), (1, 512, 16, 5, 32, False),
+          (2, 256, 8, 5, 64, False), (2, 128, 4, 5, 64, False), (2, 256, 16, 5, 64, False), (1, 128, 4, 5, 32, False),
+          (4, 128, 8, 5, 64, False), (1, 256, 8, 5, 32, True), (2, 256, 8, 5, 64, True), (2, 256, 16, 5, 64, True),
+          (4, 128, 8, 5, 64, True)]
+"""(NB, RD, warps, PRE, combine BH, rows) of the fused launches timed (rows: the down read as stored)."""
 
 
 def main() -> int:
@@ -277,15 +294,16 @@ def main() -> int:
     us = time_layers(calls)
     rows.append({"launches": "pair (GLU, down + slot sum, combine)", "us_per_layer": us})
     print(f"{'pair':<40}{us:8.2f} us per layer", flush=True)
-    for nb, rd, warps, pre, bh in SHAPES:
+    for nb, rd, warps, pre, bh, rows_ in SHAPES:
         fs = []
         for i in range(LAYERS):
             lay = layers[i]
-            fs.append(Fused(lay["gate"], lay["up"], down_planes(lay["down"], nb), nb, rd, warps, pre, bh))
+            down = lay["down"] if rows_ else down_planes(lay["down"], nb)
+            fs.append(Fused(lay["gate"], lay["up"], down, nb, rd, warps, pre, bh, rows_))
         out = torch.empty(1, HIDDEN, dtype=torch.bfloat16, device="cuda")
         calls = [lambda i=i: fs[i](x, ids[i], sw, gl, shared, out) for i in range(LAYERS)]
         us = time_layers(calls)
-        name = f"fused nb={nb} rd={rd} warps={warps} pre={pre} bh={bh}"
+        name = f"fused nb={nb} rd={rd} warps={warps} pre={pre} bh={bh}{' rows' if rows_ else ''}"
         rows.append({"launches": name, "us_per_layer": us})
         print(f"{name:<40}{us:8.2f} us per layer", flush=True)
         del fs
