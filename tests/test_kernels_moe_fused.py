@@ -25,6 +25,11 @@ from tests.test_kernels_gemv_rr import ggml_rows  # noqa: E402
 E, H, I, K = 3, 512, 128, 2
 
 
+@pytest.fixture(autouse=True)
+def enabled(monkeypatch) -> None:
+    monkeypatch.setattr(moe_fused, "ENABLED", True)
+
+
 def stacks(seed: int) -> dict:
     """Expert stacks as the GPU stores them (gate/up Q4_K_RT, down Q5_1_R) and their float64 weights."""
     rng = np.random.default_rng(seed)
@@ -94,12 +99,8 @@ def test_refuses_what_it_does_not_tile() -> None:
     assert not moe_fused.supported(x, g, u, (st["down"], "Q8_0_R"), ids)
     assert not moe_fused.supported(x, g, u, d, ids, moe_fused.Shape(nb=8))  # a chunk wider than a group of four
     assert not moe_fused.supported(x, g, u, d, ids, moe_fused.Shape(rd=384))  # rows per step not dividing H
-    before = moe_fused.ENABLED
-    try:
-        moe_fused.ENABLED = False
-        assert not moe_fused.supported(x, g, u, d, ids)
-    finally:
-        moe_fused.ENABLED = before
+    moe_fused.ENABLED = False  # (the fixture puts it back)
+    assert not moe_fused.supported(x, g, u, d, ids)
 
 
 def test_op_tables_hand_the_partial_sums_to_the_combine(monkeypatch) -> None:

@@ -98,6 +98,7 @@ def test_model_decodes_with_tile_major_weights_as_the_reference(monkeypatch) -> 
     kinds = []
     launch = gemv_rr.launch
     monkeypatch.setattr(gemv_rr, "launch", lambda kind, *a, **k: (kinds.append(kind), launch(kind, *a, **k))[1])
+    monkeypatch.setattr(moe_fused, "ENABLED", True)
     fused_experts = moe_fused.experts  # one token's routed experts: the one launch over the tile-major stacks
     monkeypatch.setattr(moe_fused, "experts", lambda *a: (kinds.append("fused experts"), fused_experts(*a))[1])
     fast = Engine(placed, ops=fused_ops(K_OPS.triton_ops(), force=True))

@@ -19,9 +19,10 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   route:removed              the MoE routing's launch left out of the graph (ids and weights from the warm-up)
   combine:removed            the MoE combine's launch left out of the graph (its output from the warm-up; the
                              side stream still joined): bounds folding the combine into the routed down's tail
-  fused-experts:off          one token's routed experts as the pair of launches (GLU, down with the slot sum)
-                             instead of one launch whose partial sums the combine adds (`moe_fused.ENABLED`)
-  fused-shape:NB,RD,W,PRE,BH the one-launch routed experts in this shape (`moe_fused.Shape`)
+  fused-experts:on|off       one token's routed experts in one launch whose partial sums the combine adds (on)
+                             or as the pair of launches, GLU then down with the slot sum (`moe_fused.ENABLED`)
+  fused-shape:NB,RD,W,PRE,BH the one-launch routed experts (with fused-experts:on) in this shape
+                             (`moe_fused.Shape`)
   release:after-loop         launches by expert ids let the next kernel in only after their K loop
                              (`gemv_rr.RELEASE["ids"]`)
   gdn:BV[:W]                 the GDN step with BV value columns per program and W warps (default 4) (`gdn.gdn_step`'s
@@ -306,8 +307,8 @@ def _apply_one(variant: str) -> dict:
         return {"branches": _frozen_shared}
     elif name == "streams" and args == ["off"]:
         return {"branches": branches_ref}
-    elif name == "fused-experts" and args == ["off"]:
-        moe_fused.ENABLED = False
+    elif name == "fused-experts" and args in (["on"], ["off"]):
+        moe_fused.ENABLED = args[0] == "on"
     elif name == "fused-shape" and len(args) == 1:
         moe_fused.SHAPE = moe_fused.Shape(*(int(v) for v in args[0].split(",")))
     elif name == "ids-early" and args == ["off"]:
