@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -38,6 +37,7 @@ from strata.kernels import moe_fused, pdl  # noqa: E402
 from strata.kernels.moe import moe_combine  # noqa: E402
 from strata.model.moe import PartialSums, moe_combine_ref  # noqa: E402
 from strata.weights import repack  # noqa: E402
+from tools.gpu_check_gemv import time_graph  # noqa: E402
 
 HIDDEN, INTER, SLOTS, LAYERS, EXPERTS = 2560, 640, 10, 48, 64
 Q4_K_RT_TILE, Q4_K_RT_STEP = 4, 288
@@ -50,13 +50,9 @@ def _planes_kernel(x_ptr, g_ptr, u_ptr, d_ptr, ids_ptr, h_ptr, part_ptr, e_strid
                    ASM: tl.constexpr, XA: tl.constexpr, GDC: tl.constexpr = False):
     """`moe_fused._experts_kernel` with the down read from column planes (`down_planes`): a program's down bytes
     are two contiguous runs instead of NB blocks of every row's 96-byte group."""
-    pdl.wait(GDC)
-    pdl.started(GDC)
+    c, slot, e = moe_fused.program_slot(ids_ptr, GDC)
     C: tl.constexpr = 32 * NB
     NCK: tl.constexpr = I // C
-    c = tl.program_id(0)
-    slot = tl.program_id(1).to(tl.int64)
-    e = tl.load(ids_ptr + slot, cache_modifier=".cg").to(tl.int64)
     hp = h_ptr + slot * I + c * C
     moe_fused.glu_chunk(x_ptr, g_ptr, u_ptr, e, e_stride, hp, c, BASE, X0, H, C, PRE, ASM, XA)
     dbase = d_ptr + e * d_stride + c * (H * 24 * NB)
@@ -188,28 +184,6 @@ def check(device: str, h: int, inter: int, e: int, slots: int,
     return rows
 
 
-def time_layers(calls: list, replays: int = 20) -> float:
-    """us per layer: the layers' calls captured back to back in one graph, median over replays."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(calls))
-    return statistics.median(times)
-
-
 SHAPES = [(2, 256, 8, 5, 64, False), (1, 256, 8, 5, 32, False), (4, 128, 8, 5, 64, False),
           (2, 256, 16, 5, 64, False), (2, 256, 8, 5, 64, True), (1, 256, 8, 1, 32, False), (1, 512, 16, 5, 32, False),
           (2, 128, 4, 5, 64, False), (1, 128, 4, 5, 32, False), (4, 256, 16, 5, 64, False), (1, 256, 8, 5, 32, True),
@@ -239,13 +213,13 @@ def main() -> int:
     shared = (torch.randn(1, HIDDEN, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
     rows = []
     calls = [lambda i=i: pair(layers[i], x, ids[i], sw, gl, shared) for i in range(LAYERS)]
-    us = time_layers(calls)
+    us = time_graph(calls) * 1e6
     rows.append({"launches": "pair (GLU, down + slot sum, combine)", "us_per_layer": us})
     print(f"{'pair':<40}{us:8.2f} us per layer", flush=True)
     for nb, rd, warps, pre, bh, planes in shapes:
         fs = [Fused(lay["gate"], lay["up"], lay["down"], nb, rd, warps, pre, bh, planes) for lay in layers]
         calls = [lambda i=i: fs[i](x, ids[i], sw, gl, shared) for i in range(LAYERS)]
-        us = time_layers(calls)
+        us = time_graph(calls) * 1e6
         name = f"fused nb={nb} rd={rd} warps={warps} pre={pre} bh={bh}{' planes' if planes else ''}"
         rows.append({"launches": name, "us_per_layer": us})
         print(f"{name:<40}{us:8.2f} us per layer", flush=True)

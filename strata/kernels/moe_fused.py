@@ -51,6 +51,15 @@ the CPU tests run it under the interpreter."""
 
 
 @triton.jit
+def program_slot(ids_ptr, GDC: tl.constexpr):
+    """(chunk, slot, expert id) of this program, read after its PDL wait: the launch before wrote the ids."""
+    pdl.wait(GDC)
+    pdl.started(GDC)
+    slot = tl.program_id(1).to(tl.int64)
+    return tl.program_id(0), slot, tl.load(ids_ptr + slot, cache_modifier=".cg").to(tl.int64)
+
+
+@triton.jit
 def glu_chunk(x_ptr, g_ptr, u_ptr, e, e_stride, hp, c, BASE, X0, H: tl.constexpr, C: tl.constexpr,
               PRE: tl.constexpr, ASM: tl.constexpr, XA: tl.constexpr):
     """hp[0:C] = SiLU(G a) * (U a) over rows cC .. (c+1)C - 1 of expert e's Q4_K_RT gate/up stacks, rounded as the
@@ -80,13 +89,9 @@ def _experts_kernel(x_ptr, g_ptr, u_ptr, d_ptr, ids_ptr, h_ptr, part_ptr, e_stri
     """Program (c, slot): h[slot, cC:(c+1)C] (C = 32 NB) of expert ids[slot] (`glu_chunk`), then
     part[slot, c, :] = D[e][:, cC:(c+1)C] h[slot, cC:(c+1)C] from its Q5_1_R rows: NB blocks of each row's group
     of four, RD rows per loop step, the next step's words loaded before this one's arithmetic."""
-    pdl.wait(GDC)  # the expert ids are written by the launch before
-    pdl.started(GDC)
+    c, slot, e = program_slot(ids_ptr, GDC)
     C: tl.constexpr = 32 * NB
     NCK: tl.constexpr = I // C
-    c = tl.program_id(0)
-    slot = tl.program_id(1).to(tl.int64)
-    e = tl.load(ids_ptr + slot, cache_modifier=".cg").to(tl.int64)
     glu_chunk(x_ptr, g_ptr, u_ptr, e, e_stride, h_ptr + slot * I + c * C, c, BASE, X0, H, C, PRE, ASM, XA)
     grp = (c * NB) // 4  # the rows' group of four blocks holding this chunk
     rd = tl.arange(0, RD)[:, None, None, None]
