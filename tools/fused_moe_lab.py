@@ -196,8 +196,12 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=None)
     ap.add_argument("--shapes", type=int, default=len(SHAPES), help="time the first N of SHAPES")
+    ap.add_argument("--shape", action="append", default=[], metavar="NB,RD,W,PRE,BH[,planes]",
+                    help="time this shape instead (repeatable)")
     args = ap.parse_args()
     shapes = SHAPES[:args.shapes]
+    if args.shape:
+        shapes = [(*(int(v) for v in a.split(",")[:5]), a.endswith(",planes")) for a in args.shape]
     pdl.set_enabled(True)
     report: dict = {"commit": args.commit, "gpu": torch.cuda.get_device_name(0), "geometry": {
         "hidden": HIDDEN, "inter": INTER, "slots": SLOTS, "layers": LAYERS, "experts_per_stack": EXPERTS}}
