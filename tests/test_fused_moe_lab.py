@@ -1,7 +1,7 @@
-"""tools/fused_moe_lab.py under Triton's interpreter (the timing runs on the device box): its variant of the
-one-launch routed experts with the down as column planes gives what the pair of launches (GLU, down with the slot
-sum) and the model's combine give, bit for bit, as `moe_fused` reading the down as stored does; and the planes
-hold the same blocks."""
+"""tools/fused_moe_lab.py under Triton's interpreter (the timing runs on the device box): the one-launch routed
+experts, each program's GLU chunk and its partial down product added by the combine, give what the pair of
+launches (GLU, down with the slot sum) and the model's combine give, bit for bit, with the down read as stored or
+as column planes; each slot reads its own expert; and the planes hold the same blocks."""
 
 from __future__ import annotations
 
@@ -20,19 +20,20 @@ lab = load_tool("fused_moe_lab")
 @pytest.mark.parametrize("planes", [False, True])
 def test_fused_launch_equals_the_pair(planes: bool) -> None:
     shapes = [(nb, 128, 4, 1, 32, planes) for nb in (1, 2, 4)]
-    for row in lab.check("cpu", 512, 128, 3, 2, shapes, seed=3):
+    for row in lab.check("cpu", 512, 256, 3, 2, shapes, seed=3):  # two groups of four blocks per row
         assert row["scale"] > 0
         assert row["differing"] == 0, row
 
 
-def test_planes_launch_reads_each_slots_expert() -> None:
+@pytest.mark.parametrize("planes", [False, True])
+def test_fused_launch_reads_each_slots_expert(planes: bool) -> None:
     gen = torch.Generator().manual_seed(5)
     layer = lab.make_layer(3, 512, 128, gen, "cpu")
     x = torch.randn(1, 512, generator=gen).to(torch.bfloat16)
     sw = torch.tensor([0.75, 0.25], dtype=torch.bfloat16)
     gl = torch.zeros(1, 1, dtype=torch.bfloat16)
     shared = torch.zeros(1, 512, dtype=torch.bfloat16)
-    f = lab.Fused(layer["gate"], layer["up"], layer["down"], 2, 128, 4, 1, 32, planes=True)
+    f = lab.Fused(layer["gate"], layer["up"], layer["down"], 2, 128, 4, 1, 32, planes=planes)
     outs = [f(x, torch.tensor(ids, dtype=torch.int32), sw, gl, shared) for ids in ([0, 1], [1, 0], [2, 1])]
     assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
 

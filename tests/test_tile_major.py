@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from strata.errors import StrataError  # noqa: E402
-from strata.kernels import gemv_rr, moe_fused  # noqa: E402
+from strata.kernels import gemv_rr  # noqa: E402
 from strata.kernels import ops as K_OPS  # noqa: E402
 from strata.kernels.fused import fused_ops  # noqa: E402
 from strata.runtime import placement  # noqa: E402
@@ -75,8 +75,7 @@ def test_tile_major_in_place_is_tile_major() -> None:
 def test_model_decodes_with_tile_major_weights_as_the_reference(monkeypatch) -> None:
     """With the routed gate/up stacks and the head placed tile-major (Q4_K_RT, Q6_K_RT: rows of 512 weights, two
     super-blocks a step; the head's threshold lowered to this vocabulary), the kernels decode as the reference:
-    prompt rows through the generic GEMV, tokens through the row-register launches of the tiled types and the
-    routed experts' one launch (`moe_fused`)."""
+    prompt rows through the generic GEMV, tokens through the row-register launches of the tiled types."""
     monkeypatch.setattr(placement, "TILE_MAJOR_HEAD_MIN_ROWS", 16)
     cfg = real_config(num_hidden_layers=4, hidden_size=512, vocab_size=256, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=128, linear_num_key_heads=1, linear_num_value_heads=2,
@@ -98,10 +97,7 @@ def test_model_decodes_with_tile_major_weights_as_the_reference(monkeypatch) -> 
     kinds = []
     launch = gemv_rr.launch
     monkeypatch.setattr(gemv_rr, "launch", lambda kind, *a, **k: (kinds.append(kind), launch(kind, *a, **k))[1])
-    monkeypatch.setattr(moe_fused, "ENABLED", True)
-    fused_experts = moe_fused.experts  # one token's routed experts: the one launch over the tile-major stacks
-    monkeypatch.setattr(moe_fused, "experts", lambda *a: (kinds.append("fused experts"), fused_experts(*a))[1])
     fast = Engine(placed, ops=fused_ops(K_OPS.triton_ops(), force=True))
     ids = torch.randint(2, cfg.vocab_size, (5,), generator=torch.Generator().manual_seed(3)).tolist()
     reference.assert_decodes_match(Engine(w), fast, ids, prompt=2, capacity=8)
-    assert {"Q4_K_RT", "Q6_K_RT", "fused experts"} <= set(kinds)
+    assert {"Q4_K_RT", "Q6_K_RT"} <= set(kinds)

@@ -31,7 +31,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from strata.kernels import moe_fused  # noqa: E402
 from strata.model.ops import Ops, jittered_linear, with_activations  # noqa: E402
 from strata.runtime.engine import Engine, load_weights  # noqa: E402
 from strata.runtime.graph import DecodeStep  # noqa: E402
@@ -210,10 +209,7 @@ def main() -> int:
     ap.add_argument("--fixtures", default="fixtures", help="folder holding qwen4exp-tiny fixture files")
     ap.add_argument("--activations", default="float", choices=("float", "q8"))
     ap.add_argument("--out", default=None)
-    ap.add_argument("--fused-experts", action="store_true",
-                    help="one token's routed experts in one launch (`moe_fused.ENABLED`) where they apply")
     args = ap.parse_args()
-    moe_fused.ENABLED = args.fused_experts
     rows = []
     fx = Path(args.fixtures)
     ids = json.loads((fx / "prompt.json").read_text())["ids"] if (fx / "prompt.json").exists() else None

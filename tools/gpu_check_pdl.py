@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from strata.kernels import gdn, moe_fused, pdl  # noqa: E402
+from strata.kernels import gdn, pdl  # noqa: E402
 from strata.model.model import Model  # noqa: E402
 from strata.runtime.bench import fill_state  # noqa: E402
 from strata.runtime.graph import DecodeStep  # noqa: E402
@@ -46,10 +46,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--fused-experts", action="store_true",
-                    help="one token's routed experts in one launch (`moe_fused.ENABLED`) in every run")
     args = ap.parse_args()
-    moe_fused.ENABLED = args.fused_experts
     dev = torch.device("cuda")
     cfg = real_config(num_hidden_layers=args.layers, layer_types=None)
     w = gpu_layout(synthetic_weights(cfg, TypeMix(), dev), inplace=True, dtype=torch.bfloat16)  # as placed
@@ -77,8 +74,8 @@ def main() -> int:
         print(f"{r['variant']:<14} active={r['pdl_active']} tokens={r['tokens']} "
               f"differing={r['tokens_differing']} ok={r['ok']}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"layers": args.layers, "context": args.context,
-                                              "fused_experts": args.fused_experts, "rows": rows}, indent=2))
+        Path(args.out).write_text(json.dumps({"layers": args.layers, "context": args.context, "rows": rows},
+                                             indent=2))
     return 0 if all(r["ok"] for r in rows) else 1
 
 

@@ -19,10 +19,6 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   route:removed              the MoE routing's launch left out of the graph (ids and weights from the warm-up)
   combine:removed            the MoE combine's launch left out of the graph (its output from the warm-up; the
                              side stream still joined): bounds folding the combine into the routed down's tail
-  fused-experts:on|off       one token's routed experts in one launch whose partial sums the combine adds (on)
-                             or as the pair of launches, GLU then down with the slot sum (`moe_fused.ENABLED`)
-  fused-shape:NB,RD,W,PRE,BH the one-launch routed experts (with fused-experts:on) in this shape
-                             (`moe_fused.Shape`)
   release:after-loop         launches by expert ids let the next kernel in only after their K loop
                              (`gemv_rr.RELEASE["ids"]`)
   gdn:BV[:W]                 the GDN step with BV value columns per program and W warps (default 4) (`gdn.gdn_step`'s
@@ -93,12 +89,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from strata.kernels import attention, experts_gemm, gdn, gemv_q8x, gemv_rr, hyper, moe, moe_fused, pdl  # noqa: E402
-from strata.kernels import fused as fused_table  # noqa: E402
+from strata.kernels import attention, experts_gemm, gdn, gemv_q8x, gemv_rr, hyper, moe, pdl  # noqa: E402
 from strata.kernels import gemv as kernel_gemv  # noqa: E402
 from strata.kernels import ops as kernel_ops  # noqa: E402
 from strata.model.model import Model  # noqa: E402
-from strata.model.moe import PartialSums  # noqa: E402
 from strata.model.ops import branches_ref  # noqa: E402
 from strata.model.qsa import norm_ropes_ref  # noqa: E402
 from strata.runtime import bench, graph  # noqa: E402
@@ -115,8 +109,7 @@ BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attent
         "gdn_step": gdn.gdn_step, "GDN_EARLY_LOADS": gdn.EARLY_LOADS, "PRELOAD": dict(gemv_rr.PRELOAD),
         "GEMV_TYPE_NAMES": dict(kernel_gemv.GEMV_TYPE_NAMES), "greedy_token": graph.greedy_token,
         "GEMM_MIN_TOKENS": kernel_ops.GEMM_MIN_TOKENS,
-        "GEMM_SHAPE": (experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS), "quantize": gemv_q8x.quantize,
-        "FUSED_EXPERTS": moe_fused.ENABLED, "FUSED_SHAPE": moe_fused.SHAPE}
+        "GEMM_SHAPE": (experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS), "quantize": gemv_q8x.quantize}
 
 
 Q8_UNIT_WRITERS = ("hc_read", "hc_write_read", "gdn_core", "attend")  # op entries that write Q8 units in the q8 mode
@@ -134,8 +127,7 @@ def _frozen(fn, nargs: int):
 
     def frozen(*args, **_):
         args = args[:nargs]
-        key = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else
-                    ("parts", tuple(a.parts.shape)) if isinstance(a, PartialSums) else a for a in args)
+        key = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args)
         if not torch.cuda.is_current_stream_capturing():
             out = fn(*args)
             if key not in cache:
@@ -235,7 +227,6 @@ def apply(variant: str) -> dict:
     gdn.EARLY_LOADS = BASE["GDN_EARLY_LOADS"]
     gemv_q8x.quantize = BASE["quantize"]
     gemv_rr.WIDEN_X_ASM = BASE["WIDEN_X_ASM"]
-    moe_fused.ENABLED, moe_fused.SHAPE = BASE["FUSED_EXPERTS"], BASE["FUSED_SHAPE"]
     graph.greedy_token = BASE["greedy_token"]
     kernel_ops.GEMM_MIN_TOKENS = BASE["GEMM_MIN_TOKENS"]
     PREFILL["chunk"] = 512
@@ -259,7 +250,7 @@ def _apply_one(variant: str) -> dict:
     if name == "route" and args == ["removed"]:
         return {"route": _frozen(moe.route, 3)}
     if name == "combine" and args == ["removed"]:
-        return {"moe_combine": _frozen(fused_table._moe_combine, 3)}
+        return {"moe_combine": _frozen(moe.moe_combine, 3)}
     if name == "gemv-type" and len(args) == 2:
         rows, warps, split = (int(v) for v in args[1].split(","))
         t = dataclasses.replace(kernel_gemv.GEMV_TYPE_NAMES[args[0]], small=(rows, warps) if rows else None,
@@ -307,10 +298,6 @@ def _apply_one(variant: str) -> dict:
         return {"branches": _frozen_shared}
     elif name == "streams" and args == ["off"]:
         return {"branches": branches_ref}
-    elif name == "fused-experts" and args in (["on"], ["off"]):
-        moe_fused.ENABLED = args[0] == "on"
-    elif name == "fused-shape" and len(args) == 1:
-        moe_fused.SHAPE = moe_fused.Shape(*(int(v) for v in args[0].split(",")))
     elif name == "ids-early" and args == ["off"]:
         kernel_ops.SETTLED_IDS = False
     elif name == "select" and args == ["removed"]:

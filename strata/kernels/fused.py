@@ -17,11 +17,10 @@ from collections.abc import Callable
 
 import torch
 
-from strata.kernels import attention, gdn, gemv_q8x, hyper, moe, moe_fused, qsa_store
+from strata.kernels import attention, gdn, gemv_q8x, hyper, moe, qsa_store
 from strata.kernels import hc_write as hc_write_kernel
 from strata.kernels import norm_rope as norm_rope_kernel
 from strata.kernels import ple as ple_kernel
-from strata.model.moe import PartialSums
 from strata.model.ops import Ops
 from strata.model.qsa import select_tokens as select_tokens_ref
 
@@ -37,19 +36,6 @@ def _entry(kernel: Callable, supported: Callable, fallback: Callable, force: boo
 
     entry.__name__ = getattr(kernel, "__name__", "entry")
     return entry
-
-
-def _moe_combine(routed, gate_logit: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-    """The combine of a routed output or of its partial sums (`moe_fused.experts`)."""
-    if isinstance(routed, PartialSums):
-        return moe_fused.combine_parts(routed, gate_logit, shared)
-    return moe.moe_combine(routed, gate_logit, shared)
-
-
-def _moe_combine_supported(routed, gate_logit: torch.Tensor, shared: torch.Tensor) -> bool:
-    if isinstance(routed, PartialSums):
-        return moe_fused.combine_supported(routed, gate_logit, shared)
-    return moe.combine_supported(routed, gate_logit, shared)
 
 
 def fused_ops(base: Ops, force: bool = False, q8: bool = False) -> Ops:
@@ -72,7 +58,7 @@ def fused_ops(base: Ops, force: bool = False, q8: bool = False) -> Ops:
         "norm_ropes": (norm_rope_kernel.norm_ropes, norm_rope_kernel.pair_supported),
         "rope": (norm_rope_kernel.rope_at, norm_rope_kernel.rope_supported),
         "route": (moe.route, lambda logits, k, _: moe.route_supported(logits, k)),
-        "moe_combine": (_moe_combine, _moe_combine_supported),
+        "moe_combine": (moe.moe_combine, moe.combine_supported),
         "hc_write": (hc_write_kernel.hc_write, hc_write_kernel.supported),
         "ple_mix": (ple_kernel.ple_mix, lambda x, key, value, nk, nq, nc, conv_w, window, cfg:
                     ple_kernel.supported(x, key, value, conv_w, window, cfg)),

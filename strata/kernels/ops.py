@@ -36,12 +36,11 @@ import torch.nn.functional as F
 from strata.kernels.experts_gemm import expert_tiles, experts_gemm, experts_gemm_glu, tile_rows
 from strata.kernels.gemv import (GEMV_TYPE_NAMES, MAX_TOKENS, OUT_DTYPES, dequantize_rows, gemv, gemv_experts,
                                  gemv_experts_glu, gemv_experts_sum, gemv_glu)
-from strata.kernels import gemv_q8x, gemv_rr, moe_fused
+from strata.kernels import gemv_q8x, gemv_rr
 from strata.kernels.moe import slot_sum
 from strata.model.act_quant import DENSE_KINDS, RUN
 from strata.model.act_quant import q8_input as q8_input_ref
 from strata.model.experts import experts_gather, experts_ref
-from strata.model.moe import PartialSums
 from strata.model.ops import Ops, embed_ref, linear_q8_ref, linear_ref, linears_ref, mlp_ref
 from strata.model.ple import decode_rows_ref
 from strata.weights.tensor import DenseTensor, StoredTensor, raw_rows
@@ -226,12 +225,10 @@ def mlp_triton(x: torch.Tensor, gate: StoredTensor, up: StoredTensor, down: Stor
 
 def experts_blocks(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
                    gate: tuple[torch.Tensor, str], up: tuple[torch.Tensor, str], down: tuple[torch.Tensor, str],
-                   q8: bool = False) -> torch.Tensor | PartialSums:
+                   q8: bool = False) -> torch.Tensor:
     """Σ_j top_w[:, j] · down_e(silu(gate_e a) ⊙ up_e a), e = top_i[:, j], from raw expert stacks (data, kind):
     gate/up (E, I, ·) over H, down (E, H, ·) over I. Slot s = l*k + j runs expert top_i[l, j] on token l; the
-    three GEMVs cover all slots in one launch each; one token with the release types (gate/up Q4_K_RT, down
-    Q5_1_R) in one launch whose sum the MoE combine takes (`moe_fused`, `PartialSums`); from GEMM_MIN_TOKENS
-    tokens the slots are sorted by expert
+    three GEMVs cover all slots in one launch each; from GEMM_MIN_TOKENS tokens the slots are sorted by expert
     and the gate/up and down products run as grouped matrix products (`experts_gemm`). q8: Q8 activations for
     both products (`linear_blocks`): one token by `gemv_q8x` where the types have its kernels, the GLU writing
     the down projections' Q8 units itself where it can, else a quantize launch before each. No device check (see
@@ -244,8 +241,6 @@ def experts_blocks(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor,
         ids = ids.to(torch.int64)
     ids = ids.contiguous()
     x = _as_x(a, h_dim)
-    if not q8 and n_tok == 1 and moe_fused.supported(x, gate, up, down, ids):
-        return moe_fused.experts(x, gate, up, down, ids, top_w.reshape(-1).contiguous())
     if (q8 and n_tok == 1 and gate[1] == up[1] and _q8_kernel(x, gate[1], gate[0], up[0])
             and _q8_types(down[1], i_dim, down[0])):
         h = gemv_q8x.gemv_experts_glu(gemv_q8x.quantize(x, gate[1]), gate[0], up[0], ids, gate[1], h_dim,
@@ -312,7 +307,7 @@ def _glu_apart(x: torch.Tensor, gate: tuple[torch.Tensor, str], up: tuple[torch.
 
 
 def experts_triton(a: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: StoredTensor,
-                   up: StoredTensor, down: StoredTensor, linear, q8: bool = False) -> torch.Tensor | PartialSums:
+                   up: StoredTensor, down: StoredTensor, linear, q8: bool = False) -> torch.Tensor:
     """`Ops.experts`: the kernels of `experts_blocks` when a is on a CUDA device, the three stacks' raw bytes live
     there, their types have kernels and the GEMM takes the call or there are at most MAX_EXPERT_SLOTS slots; else
     the reference (which rounds through `linear` in the q8 mode, `experts_gather` by its own `q8`)."""

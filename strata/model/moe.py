@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,33 +24,8 @@ def route_ref(logits: torch.Tensor, k: int, norm_topk_prob: bool) -> tuple[torch
     return top_i, top_w.to(logits.dtype)
 
 
-@dataclass(frozen=True)
-class PartialSums:
-    """One token's routed output left as partial products (`strata.kernels.moe_fused`): parts (k, chunks, H) fp32,
-    slot k's down projection over one chunk of the intermediate features each; weights (k,) the slot weights.
-    Its value (`total`) is what `Ops.experts` returns otherwise; the MoE combine takes either."""
-
-    parts: torch.Tensor
-    weights: torch.Tensor
-    dtype: torch.dtype
-
-    def total(self) -> torch.Tensor:
-        """(1, H) in dtype: per slot the chunks added in order, the slots weighted and added in order in fp32,
-        rounded once."""
-        f = self.parts[:, 0].clone()
-        for c in range(1, self.parts.shape[1]):
-            f += self.parts[:, c]
-        routed = torch.zeros_like(f[0])
-        for j in range(f.shape[0]):
-            routed += f[j] * self.weights[j].float()
-        return routed.to(self.dtype)[None]
-
-
-def moe_combine_ref(routed: torch.Tensor | PartialSums, gate_logit: torch.Tensor, shared: torch.Tensor,
-                    ) -> torch.Tensor:
+def moe_combine_ref(routed: torch.Tensor, gate_logit: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
     """routed (L, H) + sigmoid(gate_logit (L, 1)) * shared (L, H), in the model dtype."""
-    if isinstance(routed, PartialSums):
-        routed = routed.total()
     return routed + torch.sigmoid(gate_logit) * shared
 
 

@@ -88,8 +88,7 @@ class Ops:
     embed: Callable = embed_ref
     decode_rows: Callable = decode_rows_ref  # (stored rows (..., width), table, dtype) -> (..., cols)
     attend: Callable = attend_ref  # (q, qsa_state, idx, ok, cfg, gate|None) -> (L, Hq*hd)
-    # (a, top_i, top_w, gate, up, down, linear) -> (L, H), or a `moe.PartialSums` whose total it is
-    experts: Callable = experts_ref
+    experts: Callable = experts_ref  # (a, top_i, top_w, gate, up, down, linear) -> (L, H)
     gdn_core: Callable = gdn_core_ref  # (x, z, b, alpha, GDNParams, GDNState, cfg) -> (L, nv*dv)
     select_tokens: Callable = select_tokens  # (q_idx, blocks, positions, cfg) -> (idx, ok)
     # (qsa_state, positions, ki, k, v, rope, idx_norm, k_norm, cfg, static, norm_rope) -> None: the cache writes
@@ -99,7 +98,7 @@ class Ops:
     norm_ropes: Callable = norm_ropes_ref  # ([x...], [scale...], cos, sin, eps, norm_rope) -> [norm_rope of each]
     rope: Callable = Rope.at  # (positions (L,), cfg, dtype) -> Rope: the call's RoPE tables
     route: Callable = route_ref  # (logits (L, E), k, norm_topk_prob) -> (top_i (L, k) int64, top_w (L, k))
-    moe_combine: Callable = moe_combine_ref  # (routed or PartialSums, gate_logit (L, 1), shared) -> (L, H)
+    moe_combine: Callable = moe_combine_ref  # (routed, gate_logit (L, 1), shared) -> (L, H)
     hc_write: Callable = hc_write_ref  # (x (L, S*H), inject (L, S), y (L, H)) -> (L, S*H)
     ple_mix: Callable = ple_mix_ref  # (x, key, value, 3 norm scales, conv_w, window, cfg) -> (L, S*H)
     # (hist (n,) int64, table (rows, row bytes) uint8, NgramTables, out (heads, row bytes) uint8) -> None: a token's
