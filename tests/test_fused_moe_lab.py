@@ -40,7 +40,7 @@ def test_fused_launch_reads_each_slots_expert(planes: bool) -> None:
 
 def test_down_planes_hold_the_same_blocks() -> None:
     gen = torch.Generator().manual_seed(7)
-    down = lab.random_q("Q5_1_R", (2, 8), 256, gen, "cpu")  # 2 experts, 8 rows of 256
+    down = lab.random_rows("Q5_1_R", (2, 8), 256, gen, "cpu")  # 2 experts, 8 rows of 256
     for nb in (1, 2, 4):
         planes = lab.down_planes(down, nb).view(torch.int32).reshape(2, 256 // (32 * nb), 8 * 6 * nb)
         hdr, nib = planes[..., :8 * 2 * nb].reshape(2, -1, 8, 2 * nb), planes[..., 8 * 2 * nb:].reshape(2, -1, 8,

@@ -42,10 +42,9 @@ from strata.kernels import pdl  # noqa: E402
 from strata.kernels.moe import moe_combine  # noqa: E402
 from strata.model.moe import moe_combine_ref  # noqa: E402
 from strata.weights import repack  # noqa: E402
-from tools.gpu_check_gemv import time_graph  # noqa: E402
+from tools.gpu_check_gemv import random_rows, time_graph  # noqa: E402
 
 HIDDEN, INTER, SLOTS, LAYERS, EXPERTS = 2560, 640, 10, 48, 64
-Q4_K_RT_TILE, Q4_K_RT_STEP = 4, 288
 GLU, DOWN = "Q4_K_RT", "Q5_1_R"
 
 
@@ -197,23 +196,12 @@ class Fused:
         return out
 
 
-def random_q(name: str, shape: tuple[int, ...], k: int, gen: torch.Generator, device: str) -> torch.Tensor:
-    """Random stored rows of a block type (`tools/gpu_check_gemv.random_rows`, on any device)."""
-    t = G.gemv_type(name)
-    nb = k // t.block_elems
-    data = torch.randint(0, 256, (*shape, nb, t.block_bytes), dtype=torch.uint8, generator=gen, device=device)
-    for off in t.f16_fields:
-        mag = torch.rand((*shape, nb), generator=gen, device=device) * 0.015 + 0.005
-        sign = torch.randint(0, 2, (*shape, nb), generator=gen, device=device) * 2 - 1
-        data[..., off:off + 2] = (mag * sign).to(torch.float16).view(torch.uint8).reshape(*shape, nb, 2)
-    return data.reshape(*shape, nb * t.block_bytes)
-
-
 def make_layer(e: int, h: int, inter: int, gen: torch.Generator, device: str) -> dict:
     """One layer's stacks: gate/up as Q4_K_RT (from random Q4_K_R rows), down as Q5_1_R rows."""
-    gate = repack.tile_major(random_q("Q4_K_R", (e, inter), h, gen, device), Q4_K_RT_TILE, Q4_K_RT_STEP)
-    up = repack.tile_major(random_q("Q4_K_R", (e, inter), h, gen, device), Q4_K_RT_TILE, Q4_K_RT_STEP)
-    down = random_q("Q5_1_R", (e, h), inter, gen, device)
+    tile = repack.TILE_LAYOUTS[repack.Q4_K_RT_ID]
+    gate = repack.tile_major(random_rows("Q4_K_R", (e, inter), h, gen, device), tile.tile, tile.step)
+    up = repack.tile_major(random_rows("Q4_K_R", (e, inter), h, gen, device), tile.tile, tile.step)
+    down = random_rows("Q5_1_R", (e, h), inter, gen, device)
     return {"gate": gate, "up": up, "down": down}
 
 

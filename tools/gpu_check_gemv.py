@@ -50,20 +50,21 @@ L2_BYTES = 50 << 20
 BANK_BYTES = 16 * L2_BYTES  # weights touched per graph replay: every call misses L2
 
 
-def random_rows(name: str, shape: tuple[int, ...], k: int, gen: torch.Generator) -> torch.Tensor:
-    """Random stored rows of `name` on the GPU: (*shape, row_bytes) uint8 with fp16 scales in +-[0.005, 0.02],
-    or (*shape, k) typed values ~ N(0, 0.02) for dense types."""
+def random_rows(name: str, shape: tuple[int, ...], k: int, gen: torch.Generator, device: str = "cuda",
+                ) -> torch.Tensor:
+    """Random stored rows of `name` on `device` (gen's): (*shape, row_bytes) uint8 with fp16 scales in +-[0.005,
+    0.02], or (*shape, k) typed values ~ N(0, 0.02) for dense types."""
     t = G.gemv_type(name)
     if t.dense_dtype is not None:
-        return (torch.randn((*shape, k), generator=gen, device="cuda") * 0.02).to(t.dense_dtype)
+        return (torch.randn((*shape, k), generator=gen, device=device) * 0.02).to(t.dense_dtype)
     nb = k // t.block_elems
-    data = torch.randint(0, 256, (*shape, nb, t.block_bytes), dtype=torch.uint8, device="cuda", generator=gen)
+    data = torch.randint(0, 256, (*shape, nb, t.block_bytes), dtype=torch.uint8, device=device, generator=gen)
     for off in t.f16_fields:
-        mag = torch.rand((*shape, nb), generator=gen, device="cuda") * 0.015 + 0.005
-        sign = torch.randint(0, 2, (*shape, nb), generator=gen, device="cuda") * 2 - 1
+        mag = torch.rand((*shape, nb), generator=gen, device=device) * 0.015 + 0.005
+        sign = torch.randint(0, 2, (*shape, nb), generator=gen, device=device) * 2 - 1
         data[..., off:off + 2] = (mag * sign).to(torch.float16).view(torch.uint8).reshape(*shape, nb, 2)
     if name == "IQ1_M":  # fp16 d in the top nibbles of the four scale words (bytes 49, 51, 53, 55)
-        mag = torch.rand((*shape, nb), generator=gen, device="cuda") * 0.015 + 0.005
+        mag = torch.rand((*shape, nb), generator=gen, device=device) * 0.015 + 0.005
         d = mag.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
         for j in range(4):
             data[..., 49 + 2 * j] = (data[..., 49 + 2 * j] & 0x0F) | (((d >> (4 * j)) & 0xF) << 4).to(torch.uint8)
