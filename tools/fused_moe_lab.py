@@ -15,9 +15,9 @@ so that a program's down bytes are two contiguous runs).
 Timed as 48 layers back to back in a CUDA graph with PDL, each layer its own stacks (64 experts each, the slots'
 experts random): the pair (GLU, down with the slot sum, combine) against the one launch and the combine of its
 partial sums, in several launch shapes. Measured on an H100 (docs/performance-log.md, 2026-12-07): 30-146 us per
-layer against the pair's 23.2, and in the 4K step (on `wip/moe-fused`, where the op tables take it) 6.455 ms per
-replay against 4.52: a program's GLU chunk runs its whole K loop in one program, so the launch has 200 programs
-(NB = 1) where the pair's GLU has 1,600.
+layer against the pair's 23.2, and in the 4K step (on `wip/moe-fused`, where the op tables take it) 6.453-6.457 ms per
+replay against 4.52 (NB = 2): a program's GLU chunk runs its whole K loop in one program, so the launch has 100-200
+programs (NB = 2, 1) where the pair's GLU has 1,600.
 
     python tools/fused_moe_lab.py --out fused-moe-lab.json
 """
