@@ -345,11 +345,11 @@ def test_l2_prefetching_programs_change_no_bit(kind: str, rr_calls, monkeypatch)
     u = ggml_rows(kind, 9, k, rng)[0]
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(13))
     outs = []
-    for programs in (0, 1, 3):
-        monkeypatch.setitem(_rr.L2_PREFETCH, kind, programs)
-        assert _rr.l2_prefetch_programs(kind, 2) == programs
+    for programs, percent in ((0, 100), (1, 100), (3, 100), (3, 30)):
+        monkeypatch.setitem(_rr.L2_PREFETCH, kind, (programs, percent))
+        assert _rr.l2_prefetch_programs(kind, 2) == (programs, percent)
         outs.append((G.gemv(x, w, kind, k), G.gemv_glu(x, w, u, kind, k)))
     check(outs[0][0][0], x[0].double() @ ref.T, x[0].double().abs() @ ref.abs().T)
     for plain, glu in outs[1:]:
         assert torch.equal(plain, outs[0][0]) and torch.equal(glu, outs[0][1])
-    assert rr_calls == [kind] * 6
+    assert rr_calls == [kind] * 8

@@ -55,9 +55,10 @@ def test_preload_variants_set_the_entry_they_name() -> None:
         assert gemv_rr.PRELOAD["q8:Q8_0_R/6"] == 3 and gemv_rr.PRELOAD["Q5_1_R"] == 1
         assert gemv_rr.preload_steps("Q8_0_R", 6, q8x=True) == 3
         assert gemv_rr.preload_steps("Q8_0_R", 6) == sv.BASE["PRELOAD"]["Q8_0_R/6"]
-        sv.apply("l2pf:Q8_0_R/10:512+l2pf:Q4_K_RT:64")
-        assert gemv_rr.l2_prefetch_programs("Q8_0_R", 10) == 512 and gemv_rr.l2_prefetch_programs("Q8_0_R", 6) == 0
-        assert gemv_rr.l2_prefetch_programs("Q4_K_RT", 5) == 64
+        sv.apply("l2pf:Q8_0_R/10:512:25+l2pf:Q4_K_RT:64")
+        assert gemv_rr.l2_prefetch_programs("Q8_0_R", 10) == (512, 25)
+        assert gemv_rr.l2_prefetch_programs("Q8_0_R", 6) == (0, 100)
+        assert gemv_rr.l2_prefetch_programs("Q4_K_RT", 5) == (64, 100)
         sv.apply("shape:Q4_K_R:10:0:1000000:4,2,1,1")
         assert gemv_rr.launch_shape("Q4_K_R", 10, 80) == (4, 2, 1, 1)
         assert gemv_rr.launch_shape("Q4_K_R", 5, 80) == sv.BASE["launch_shape"]("Q4_K_R", 5, 80)

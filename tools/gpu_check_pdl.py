@@ -29,7 +29,7 @@ from strata.runtime.placement import fast_ops, gpu_layout  # noqa: E402
 from strata.runtime.synthetic import TypeMix, real_config, synthetic_weights  # noqa: E402
 
 
-L2_PREFETCH = {"Q8_0_R/10": 1024, "Q8_0_R": 64}
+L2_PREFETCH = {"Q8_0_R/10": (1024, 100), "Q8_0_R": (64, 30)}
 """The "l2 prefetch" row's `gemv_rr.L2_PREFETCH`: every row-register launch without expert ids prefetches."""
 
 

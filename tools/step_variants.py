@@ -29,9 +29,9 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
                              (`gemv_rr.PRELOAD`; the routed GLU, by unsettled ids, loads them right after it);
                              KIND/S for the launches of S loop steps only (Q8_0_R/6: the out projections);
                              q8:KIND[/S] for launches with Q8 activations (taken before the plain entries there)
-  l2pf:KIND[/S]:N            row-register launches of KIND (KIND/S: of S loop steps) without expert ids: their
-                             first N programs ask L2 for the launch's matrices before their PDL wait
-                             (`gemv_rr.L2_PREFETCH`; Q8_0_R/10: the GDN and QSA projection groups)
+  l2pf:KIND[/S]:N[:P]        row-register launches of KIND (KIND/S: of S loop steps) without expert ids: their
+                             first N programs ask L2 for the first P percent (100) of the launch's matrices before
+                             their PDL wait (`gemv_rr.L2_PREFETCH`; Q8_0_R/10: the GDN and QSA projection groups)
   gdn-prefetch:0|1           the GDN step's programs ask L2 for their state slabs before their PDL wait (1)
                              (`gdn.PREFETCH_STATE`)
   gemv-type:NAME:R,W,S       the generic GEMV's small one-token launches of type NAME with R rows and W warps per
@@ -267,8 +267,8 @@ def _apply_one(variant: str) -> dict:
         kernel_gemv.GEMV_TYPE_NAMES[t.name] = kernel_gemv.GEMV_TYPES[t.type_id] = t
     elif name == "preload" and len(args) in (2, 3):  # preload:KIND:N or preload:q8:KIND:N
         gemv_rr.PRELOAD[":".join(args[:-1])] = int(args[-1])
-    elif name == "l2pf" and len(args) == 2:
-        gemv_rr.L2_PREFETCH[args[0]] = int(args[1])
+    elif name == "l2pf" and len(args) in (2, 3):
+        gemv_rr.L2_PREFETCH[args[0]] = (int(args[1]), int(args[2]) if len(args) == 3 else 100)
     elif name == "gdn-prefetch" and args in (["0"], ["1"]):
         gdn.PREFETCH_STATE = args[0] == "1"
     elif name == "gdn-early" and args in (["0"], ["1"]):

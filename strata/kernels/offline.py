@@ -68,7 +68,7 @@ def compile_rr(kind: str, n: int, k: int, *, glu: bool = False, x: str = "bf16",
                   HAS_IDS=has_ids, ASM=True, SPLIT_SUM=gemv._split_sum, SPLIT=1, SLOT_SUM=0, IDS_EARLY=ids_early,
                   RELEASE=gemv_rr.AFTER_LOOP if release is None else release,
                   PRE=gemv_rr.preload_steps(kind, n_chunks // sbc, q8x), XW=widen, XQ=q8x, QOUT=0, PROBE=probe,
-                  TILE=tile, PF=l2_prefetch, GDC=gdc)
+                  TILE=tile, PF=l2_prefetch, PFP=100, GDC=gdc)
     ck = compile_for(gemv_rr._rr_kernel, ptrs, ints, consts, warps, arch)
     return ck, dict(type=kind, n=n, k=k, kernel="rr glu" if glu else "rr", BN=br, warps=warps, NB=sbc,
                     x="q8" if q8x else x,
