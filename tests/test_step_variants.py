@@ -22,7 +22,7 @@ sv = load_tool("step_variants")
 
 # every form of the module's docstring that needs no CUDA device to parse (hc:I reads the SM count)
 VARIANTS = ["base", "select:removed", "select:radix", "route:removed", "combine:removed", "release:after-loop",
-            "gdn:16", "gdn:16:1", "l2pf:Q8_0_R/10:1024", "gdn-prefetch:1",
+            "gdn:16", "gdn:16:1", "l2pf:Q8_0_R/10:1024", "gdn-prefetch:2",
             "preload:Q4_K_R:3", "preload:Q8_0_R/6:2", "preload:q8:Q8_0_R/6:3", "preload:q8:Q4_K_R:5",
             "gemv-type:Q8_0:4,2,1", "ids-early:off", "select:ranked:8:1024", "attend:64:32", "hc-up:8",
             "row-major:glu", "row-major:glu+row-major:head",

@@ -62,7 +62,7 @@ def main() -> int:
     for name, capture, split, switches in (("pdl captured", True, True, ()), ("pdl one graph", True, False, ()),
                                            ("pdl eager", False, True, ()),
                                            ("gdn late loads", True, True, ((gdn, "EARLY_LOADS", False),)),
-                                           ("l2 prefetch", True, True, ((gdn, "PREFETCH_STATE", True),
+                                           ("l2 prefetch", True, True, ((gdn, "PREFETCH_STATE", 2),
                                                                         (gemv_rr, "L2_PREFETCH", L2_PREFETCH)))):
         before = [getattr(m, a) for m, a, _ in switches]
         for m, a, v in switches:

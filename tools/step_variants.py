@@ -32,8 +32,8 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
   l2pf:KIND[/S]:N[:P]        row-register launches of KIND (KIND/S: of S loop steps) without expert ids: their
                              first N programs ask L2 for the first P percent (100) of the launch's matrices before
                              their PDL wait (`gemv_rr.L2_PREFETCH`; Q8_0_R/10: the GDN and QSA projection groups)
-  gdn-prefetch:0|1           the GDN step's programs ask L2 for their state slabs before their PDL wait (1)
-                             (`gdn.PREFETCH_STATE`)
+  gdn-prefetch:0|1|2         the GDN step's programs ask L2 for their state slabs (1), and their conv windows (2),
+                             before their PDL wait (`gdn.PREFETCH_STATE`)
   gemv-type:NAME:R,W,S       the generic GEMV's small one-token launches of type NAME with R rows and W warps per
                              program, K split S (`gemv.GemvType.small`, `small_split`; R = 0: no small shape)
   ids-early:off              the routed down projections read the expert ids after their PDL wait
@@ -269,8 +269,8 @@ def _apply_one(variant: str) -> dict:
         gemv_rr.PRELOAD[":".join(args[:-1])] = int(args[-1])
     elif name == "l2pf" and len(args) in (2, 3):
         gemv_rr.L2_PREFETCH[args[0]] = (int(args[1]), int(args[2]) if len(args) == 3 else 100)
-    elif name == "gdn-prefetch" and args in (["0"], ["1"]):
-        gdn.PREFETCH_STATE = args[0] == "1"
+    elif name == "gdn-prefetch" and args in (["0"], ["1"], ["2"]):
+        gdn.PREFETCH_STATE = int(args[0])
     elif name == "gdn-early" and args in (["0"], ["1"]):
         gdn.EARLY_LOADS = args[0] == "1"
     elif name == "gdn" and len(args) in (1, 2):
