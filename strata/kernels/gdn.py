@@ -52,10 +52,12 @@ from strata.runtime.state import GDNState
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
-PREFETCH_STATE = 0
+PREFETCH_STATE = 1
 """What each step program asks L2 for before its PDL wait (`pdl.prefetch_l2`), so that its loads after the wait find
 it there: 0 nothing, 1 its state slab, 2 also its channels' conv windows. The same values either way (A/B:
-`tools/step_variants.py gdn-prefetch:N`)."""
+`tools/step_variants.py gdn-prefetch:N`). 1 against 0 in the 4K step on an H100: 4.449 / 4.449 against 4.460-4.462
+ms per replay, the step's share of a GDN layer's path 9.1-9.2 us against 9.7-9.8, while the projection group
+before it streams (bench/results/2026-12-07-h100-step-variants-l2pf-a9e9663.json)."""
 
 EARLY_LOADS = True
 """Whether the step kernel loads its stored weights (conv taps, A, dt bias, norm weight) before its PDL wait and
