@@ -333,23 +333,3 @@ def test_tile_major_types_read_as_their_base(kind: str, pre: int, rr_calls, monk
         quants.dequantize(wt.reshape(-1), tid, k)
     layout = repack.TILE_LAYOUTS[tid]
     assert torch.equal(repack.tile_major(wt, layout.tile, layout.step, undo=True), w)
-
-
-@pytest.mark.parametrize("kind", ["Q8_0_R", "Q4_K_R"])
-def test_l2_prefetching_programs_change_no_bit(kind: str, rr_calls, monkeypatch) -> None:
-    """Launches whose first programs ask L2 for their matrices (`L2_PREFETCH`; a hint the interpreter skips, but
-    its share arithmetic runs) give the same bits, plain and as a GLU without expert ids (the shared expert)."""
-    rng = np.random.default_rng(zlib_seed(kind) + 13)
-    k = 512
-    w, ref = ggml_rows(kind, 9, k, rng)
-    u = ggml_rows(kind, 9, k, rng)[0]
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(13))
-    outs = []
-    for programs, percent in ((0, 100), (1, 100), (3, 100), (3, 30)):
-        monkeypatch.setitem(_rr.L2_PREFETCH, kind, (programs, percent))
-        assert _rr.l2_prefetch_programs(kind, 2) == (programs, percent)
-        outs.append((G.gemv(x, w, kind, k), G.gemv_glu(x, w, u, kind, k)))
-    check(outs[0][0][0], x[0].double() @ ref.T, x[0].double().abs() @ ref.abs().T)
-    for plain, glu in outs[1:]:
-        assert torch.equal(plain, outs[0][0]) and torch.equal(glu, outs[0][1])
-    assert rr_calls == [kind] * 8

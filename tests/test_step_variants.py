@@ -22,7 +22,7 @@ sv = load_tool("step_variants")
 
 # every form of the module's docstring that needs no CUDA device to parse (hc:I reads the SM count)
 VARIANTS = ["base", "select:removed", "select:radix", "route:removed", "combine:removed", "release:after-loop",
-            "gdn:16", "gdn:16:1", "l2pf:Q8_0_R/10:1024", "gdn-prefetch:2",
+            "gdn:16", "gdn:16:1", "gdn-prefetch:0",
             "preload:Q4_K_R:3", "preload:Q8_0_R/6:2", "preload:q8:Q8_0_R/6:3", "preload:q8:Q4_K_R:5",
             "gemv-type:Q8_0:4,2,1", "ids-early:off", "select:ranked:8:1024", "attend:64:32", "hc-up:8",
             "row-major:glu", "row-major:glu+row-major:head",
@@ -33,7 +33,8 @@ VARIANTS = ["base", "select:removed", "select:radix", "route:removed", "combine:
 
 
 def _knobs() -> tuple:
-    return (dict(gemv_rr.PRELOAD), dict(gemv_rr.L2_PREFETCH), gdn.PREFETCH_STATE, dict(gemv_rr.RELEASE), dict(pdl.LATE_RELEASE), gemv_rr.WIDEN_X_ASM,
+    return (dict(gemv_rr.PRELOAD), gdn.PREFETCH_STATE, dict(gemv_rr.RELEASE), dict(pdl.LATE_RELEASE),
+            gemv_rr.WIDEN_X_ASM,
             gemv_rr.launch_shape, gemv_rr.launch, hyper.hc_read_defaults, dict(sv.PREFILL), gdn.gdn_step,
             attention.select_blocks_ranked, attention.RANK_SELECT_MAX_BLOCKS, attention.attend, gemv_q8x.quantize,
             kernel_ops.SETTLED_IDS, kernel_ops.GEMM_MIN_TOKENS, kernel_ops.Q8_UNITS_FROM_GLU, graph.greedy_token,
@@ -55,10 +56,6 @@ def test_preload_variants_set_the_entry_they_name() -> None:
         assert gemv_rr.PRELOAD["q8:Q8_0_R/6"] == 3 and gemv_rr.PRELOAD["Q5_1_R"] == 1
         assert gemv_rr.preload_steps("Q8_0_R", 6, q8x=True) == 3
         assert gemv_rr.preload_steps("Q8_0_R", 6) == sv.BASE["PRELOAD"]["Q8_0_R/6"]
-        sv.apply("l2pf:Q8_0_R/10:512:25+l2pf:Q4_K_RT:64")
-        assert gemv_rr.l2_prefetch_programs("Q8_0_R", 10) == (512, 25)
-        assert gemv_rr.l2_prefetch_programs("Q8_0_R", 6) == (0, 100)
-        assert gemv_rr.l2_prefetch_programs("Q4_K_RT", 5) == (64, 100)
         sv.apply("shape:Q4_K_R:10:0:1000000:4,2,1,1")
         assert gemv_rr.launch_shape("Q4_K_R", 10, 80) == (4, 2, 1, 1)
         assert gemv_rr.launch_shape("Q4_K_R", 5, 80) == sv.BASE["launch_shape"]("Q4_K_R", 5, 80)

@@ -5,9 +5,9 @@ PDL lets each kernel start while the previous one ends; a kernel that read or wr
 step. So: a synthetic model at the real geometry (fewer layers, bf16), its captured decode step run for a number
 of tokens from the same filled state with PDL off, then on (captured as two graphs split at the first PLE layer,
 captured as one graph, and eager): every token's logits must be equal bit for bit. So must they with the GDN
-step's weights and gate inputs loaded late (`gdn.EARLY_LOADS`), a switch that only moves loads, and with the
-projection groups and the GDN state asked of L2 before their waits (`gemv_rr.L2_PREFETCH`, `gdn.PREFETCH_STATE`),
-hints that move no value. Prints one line per variant and writes JSON to --out.
+step's weights and gate inputs loaded late (`gdn.EARLY_LOADS`), a switch that only moves loads, and without its
+state slab asked of L2 before its wait (`gdn.PREFETCH_STATE`), a hint that moves no value. Prints one line per
+variant and writes JSON to --out.
 """
 
 from __future__ import annotations
@@ -21,16 +21,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from strata.kernels import gdn, gemv_rr, pdl  # noqa: E402
+from strata.kernels import gdn, pdl  # noqa: E402
 from strata.model.model import Model  # noqa: E402
 from strata.runtime.bench import fill_state  # noqa: E402
 from strata.runtime.graph import DecodeStep  # noqa: E402
 from strata.runtime.placement import fast_ops, gpu_layout  # noqa: E402
 from strata.runtime.synthetic import TypeMix, real_config, synthetic_weights  # noqa: E402
-
-
-L2_PREFETCH = {"Q8_0_R/10": (1024, 100), "Q8_0_R": (64, 30)}
-"""The "l2 prefetch" row's `gemv_rr.L2_PREFETCH`: every row-register launch without expert ids prefetches."""
 
 
 def run_tokens(model: Model, context: int, tokens: int, capture: bool, split: bool = True) -> list[torch.Tensor]:
@@ -62,8 +58,7 @@ def main() -> int:
     for name, capture, split, switches in (("pdl captured", True, True, ()), ("pdl one graph", True, False, ()),
                                            ("pdl eager", False, True, ()),
                                            ("gdn late loads", True, True, ((gdn, "EARLY_LOADS", False),)),
-                                           ("l2 prefetch", True, True, ((gdn, "PREFETCH_STATE", 2),
-                                                                        (gemv_rr, "L2_PREFETCH", L2_PREFETCH)))):
+                                           ("gdn no prefetch", True, True, ((gdn, "PREFETCH_STATE", False),))):
         before = [getattr(m, a) for m, a, _ in switches]
         for m, a, v in switches:
             setattr(m, a, v)

@@ -29,11 +29,8 @@ Variants (list `base` more than once to see the run-to-run spread; join several 
                              (`gemv_rr.PRELOAD`; the routed GLU, by unsettled ids, loads them right after it);
                              KIND/S for the launches of S loop steps only (Q8_0_R/6: the out projections);
                              q8:KIND[/S] for launches with Q8 activations (taken before the plain entries there)
-  l2pf:KIND[/S]:N[:P]        row-register launches of KIND (KIND/S: of S loop steps) without expert ids: their
-                             first N programs ask L2 for the first P percent (100) of the launch's matrices before
-                             their PDL wait (`gemv_rr.L2_PREFETCH`; Q8_0_R/10: the GDN and QSA projection groups)
-  gdn-prefetch:0|1|2         the GDN step's programs ask L2 for their state slabs (1), and their conv windows (2),
-                             before their PDL wait (`gdn.PREFETCH_STATE`)
+  gdn-prefetch:0|1           the GDN step's programs ask L2 for their state slabs before their PDL wait (1) or not
+                             (`gdn.PREFETCH_STATE`)
   gemv-type:NAME:R,W,S       the generic GEMV's small one-token launches of type NAME with R rows and W warps per
                              program, K split S (`gemv.GemvType.small`, `small_split`; R = 0: no small shape)
   ids-early:off              the routed down projections read the expert ids after their PDL wait
@@ -112,7 +109,7 @@ BASE = {"select_blocks": attention.select_blocks, "select_blocks_ranked": attent
         "SETTLED_IDS": kernel_ops.SETTLED_IDS, "RELEASE": dict(gemv_rr.RELEASE), "rr_launch": gemv_rr.launch,
         "LATE_RELEASE": dict(pdl.LATE_RELEASE), "WIDEN_X_ASM": gemv_rr.WIDEN_X_ASM,
         "gdn_step": gdn.gdn_step, "GDN_EARLY_LOADS": gdn.EARLY_LOADS, "PRELOAD": dict(gemv_rr.PRELOAD),
-        "L2_PREFETCH": dict(gemv_rr.L2_PREFETCH), "GDN_PREFETCH_STATE": gdn.PREFETCH_STATE,
+        "GDN_PREFETCH_STATE": gdn.PREFETCH_STATE,
         "GEMV_TYPE_NAMES": dict(kernel_gemv.GEMV_TYPE_NAMES), "greedy_token": graph.greedy_token,
         "GEMM_MIN_TOKENS": kernel_ops.GEMM_MIN_TOKENS,
         "GEMM_SHAPE": (experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS), "quantize": gemv_q8x.quantize}
@@ -239,8 +236,6 @@ def apply(variant: str) -> dict:
     experts_gemm.BLOCK_N, experts_gemm.NUM_WARPS = BASE["GEMM_SHAPE"]
     gemv_rr.PRELOAD.clear()
     gemv_rr.PRELOAD.update(BASE["PRELOAD"])
-    gemv_rr.L2_PREFETCH.clear()
-    gemv_rr.L2_PREFETCH.update(BASE["L2_PREFETCH"])
     gdn.PREFETCH_STATE = BASE["GDN_PREFETCH_STATE"]
     for target in TILE_TARGETS:
         _relay(target, f"row-major:{target}" in variant.split("+"))
@@ -267,10 +262,8 @@ def _apply_one(variant: str) -> dict:
         kernel_gemv.GEMV_TYPE_NAMES[t.name] = kernel_gemv.GEMV_TYPES[t.type_id] = t
     elif name == "preload" and len(args) in (2, 3):  # preload:KIND:N or preload:q8:KIND:N
         gemv_rr.PRELOAD[":".join(args[:-1])] = int(args[-1])
-    elif name == "l2pf" and len(args) in (2, 3):
-        gemv_rr.L2_PREFETCH[args[0]] = (int(args[1]), int(args[2]) if len(args) == 3 else 100)
-    elif name == "gdn-prefetch" and args in (["0"], ["1"], ["2"]):
-        gdn.PREFETCH_STATE = int(args[0])
+    elif name == "gdn-prefetch" and args in (["0"], ["1"]):
+        gdn.PREFETCH_STATE = args[0] == "1"
     elif name == "gdn-early" and args in (["0"], ["1"]):
         gdn.EARLY_LOADS = args[0] == "1"
     elif name == "gdn" and len(args) in (1, 2):

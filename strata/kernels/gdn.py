@@ -52,12 +52,13 @@ from strata.runtime.state import GDNState
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
-PREFETCH_STATE = 1
-"""What each step program asks L2 for before its PDL wait (`pdl.prefetch_l2`), so that its loads after the wait find
-it there: 0 nothing, 1 its state slab, 2 also its channels' conv windows. The same values either way (A/B:
-`tools/step_variants.py gdn-prefetch:N`). 1 against 0 in the 4K step on an H100: 4.449 / 4.449 against 4.460-4.462
-ms per replay, the step's share of a GDN layer's path 9.1-9.2 us against 9.7-9.8, while the projection group
-before it streams (bench/results/2026-12-07-h100-step-variants-l2pf-a9e9663.json)."""
+PREFETCH_STATE = True
+"""Whether each step program asks L2 for its state slab before its PDL wait (`pdl.prefetch_l2`), so that its loads
+after the wait find it there; the same values either way (A/B: `tools/step_variants.py gdn-prefetch:0`). In the 4K
+step on an H100: 4.449 / 4.449 against 4.460-4.462 ms per replay without, the step's share of a GDN layer's path
+9.1-9.2 us against 9.7-9.8, while the projection group before it streams
+(bench/results/2026-12-07-h100-step-variants-l2pf-a9e9663.json); again 4.452-4.453 against 4.464-4.465
+(*-l2pf2-c7249b5.json). Its channels' conv windows as well: 4.457-4.458 (branch `wip/l2-prefetch-groups`)."""
 
 EARLY_LOADS = True
 """Whether the step kernel loads its stored weights (conv taps, A, dt bias, norm weight) before its PDL wait and
@@ -163,14 +164,14 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
                      K: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr,
                      TILED: tl.constexpr, SILU: tl.constexpr, SILU_GATE: tl.constexpr, DT: tl.constexpr,
                      FUSED: tl.constexpr, Q8: tl.constexpr = 0, GDC: tl.constexpr = False,
-                     LATE: tl.constexpr = False, EARLY: tl.constexpr = True, PFS: tl.constexpr = 0):
+                     LATE: tl.constexpr = False, EARLY: tl.constexpr = True, PFS: tl.constexpr = False):
     """The step of one (dk, BV) state slab; with FUSED also the gated norm and the conv window shift (tickets
     in cnt: NV value-head counters, then NK key-head counters), else `_gdn_out_kernel` does those. Q8 (with
     FUSED; a word span of `gemv_q8x.ORDER`, 0: none): the program that normalises a head also stores it as Q8
     units to xq (`gemv_rr.store_q8x_runs`; DV a multiple of 32). EARLY (`EARLY_LOADS`): the stored weights (conv
     taps, A, dt bias, norm weight) are loaded before the PDL wait and the head's gate inputs z right after it,
     with the state, instead of by the last program after its tickets; the same values either way. PFS
-    (`PREFETCH_STATE`, GPU only): 1 the slab's lines, 2 also the conv windows', are asked of L2 before the wait."""
+    (`PREFETCH_STATE`, GPU only): the slab's lines are asked of L2 before the PDL wait."""
     if not LATE:
         pdl.started(GDC)
     j = tl.program_id(0)  # value head
@@ -188,14 +189,10 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
                                                K, KP)
         if FUSED:
             nw = _norm_weight(nw_ptr, DV, DT, BD)
-    if PFS > 0:
+    if PFS:
         LPR: tl.constexpr = (BV + 31) // 32  # 128-byte lines per row of the slab
         lp = S_ptr + j * DK * DV + i[:, None] * DV + vb * BV + 32 * tl.arange(0, LPR)[None, :]
         pdl.prefetch_l2(lp, im[:, None] & (vb * BV + 32 * tl.arange(0, LPR)[None, :] < DV), True)
-    if PFS > 1:  # the conv windows of its q, k and v channels (a warp's requests for one line are one request)
-        pdl.prefetch_l2(win_ptr + (kh * DK + i) * (K - 1), im, True)
-        pdl.prefetch_l2(win_ptr + (KEY_DIM + kh * DK + i) * (K - 1), im, True)
-        pdl.prefetch_l2(win_ptr + (2 * KEY_DIM + j * DV + vcol) * (K - 1), vm, True)
     pdl.wait(GDC)
     if LATE:
         pdl.started(GDC)
@@ -328,7 +325,7 @@ def gdn_step(x: torch.Tensor, z: torch.Tensor, b: torch.Tensor, alpha: torch.Ten
         K=K, KP=triton.next_power_of_2(K), BK=triton.next_power_of_2(dk), BV=bv, BD=bd,
         TILED=prm.value_order == "tiled", SILU=cfg.hidden_act == "silu", SILU_GATE=silu_gate, DT=TL_DTYPES[dt],
         FUSED=cnt is not None, Q8=q8_span if emit else 0, EARLY=EARLY_LOADS,
-        PFS=PREFETCH_STATE if x.device.type == "cuda" else 0, num_warps=num_warps, **pdl.launch(x.device, "gdn_step"))
+        PFS=PREFETCH_STATE and x.device.type == "cuda", num_warps=num_warps, **pdl.launch(x.device, "gdn_step"))
     if emit:
         gemv_rr.record_q8x(out, xq, q8_span)
     if cnt is None:  # no ticket counters on this stream: the norm and shift in a second launch

@@ -567,18 +567,6 @@ def store_q8x_runs(x_ptr, q_ptr, run, ok, SPAN: tl.constexpr, RB: tl.constexpr, 
     tl.store(dp + 1, s, mask=ok)
 
 
-@triton.jit
-def _prefetch_share(base, nbytes, prog, PF: tl.constexpr, ASM: tl.constexpr):
-    """Program `prog` of a launch, if below PF, asks L2 for its 1/PF share of the nbytes at byte pointer base."""
-    if prog < PF:
-        lines = tl.cdiv(nbytes, 128)
-        per = tl.cdiv(lines, PF)
-        end = tl.minimum(prog * per + per, lines)
-        for first in range(prog * per, end, 128):
-            ln = first + tl.arange(0, 128)
-            pdl.prefetch_l2(base + ln * 128, ln < end, ASM)
-
-
 @triton.jit(do_not_specialize=["D_STRIDE"])
 def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr, q_ptr, probe_ptr, N, g_row_stride,
                u_row_stride,
@@ -588,8 +576,7 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
                HAS_IDS: tl.constexpr, ASM: tl.constexpr, SPLIT_SUM: tl.constexpr, SPLIT: tl.constexpr = 1,
                SLOT_SUM: tl.constexpr = 0, IDS_EARLY: tl.constexpr = False, RELEASE: tl.constexpr = 0,
                PRE: tl.constexpr = 1, XW: tl.constexpr = False, XQ: tl.constexpr = False, QOUT: tl.constexpr = 0,
-               PROBE: tl.constexpr = False, TILE: tl.constexpr = 0, PF: tl.constexpr = 0, PFP: tl.constexpr = 100,
-               GDC: tl.constexpr = False):
+               PROBE: tl.constexpr = False, TILE: tl.constexpr = 0, GDC: tl.constexpr = False):
     """out[slot, rows] = W[slot's matrix][rows] . x[slot], or with GLU act(G . x) * (U . x), for one token.
 
     Program (i, slot, s): BR rows of the matrix of `slot` (expert ids[slot] when HAS_IDS), or with GLU BR / 2 rows
@@ -620,10 +607,7 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
 
     TILE > 0 (a `TILE_MAJOR` type, `repack.tile_major`): the matrices are stored in tiles of TILE rows, each tile
     step by step: [N / TILE, loop steps, TILE, SBC chunks], so that the words of one step of a tile's rows lie
-    together; row strides are then ignored.
-
-    PF > 0 (a launch without expert ids, `L2_PREFETCH`): the first PF programs ask L2 for the first PFP percent of
-    the launch's matrices (a 1/PF share each) before their PDL wait, for the programs that load them after it."""
+    together; row strides are then ignored."""
     if PROBE:
         t_start = globaltimer()
     if HAS_IDS and not IDS_EARLY:
@@ -666,13 +650,6 @@ def _rr_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sw_ptr,
         xp = xp.to(tl.pointer_type(tl.int32))[:, None, None, None]
     else:
         xp = (x_ptr + slot * x_slot_stride + part * (NC * CHUNK_ELEMS) + r * X_ROW_STRIDE)[:, None, None, None]
-    if PF > 0:
-        prog = pid + tl.num_programs(0) * (tl.program_id(1) * tl.num_programs(2) + part)
-        m_bytes = N.to(tl.int64) * (NCH * CHUNK_BYTES if TILE > 0 else g_row_stride) * PFP // 100
-        _prefetch_share(g_ptr, m_bytes, prog, PF, ASM)
-        if GLU:
-            u_bytes = N.to(tl.int64) * (NCH * CHUNK_BYTES if TILE > 0 else u_row_stride) * PFP // 100
-            _prefetch_share(u_ptr, u_bytes, prog, PF, ASM)
     if KIND == "Q4_K_R" or KIND == "Q6_K_R":
         res = _super_block_rows(rp, xp, tl.full([BR, SBC, 4, 4], 0, tl.int32) + BASE, NC, SBC, BR, ASM,
                                 GDC and (IDS_EARLY or not HAS_IDS), KIND == "Q6_K_R", REL, XA, PRE, XQ, SBC * TILE)
@@ -845,24 +822,6 @@ timing probe only (`_xf`: no widening, wrong values): on an H100 the 4K replay 4
 (bench/results/2026-12-06-h100-step-variants-fe85101.json), what the widening costs at most."""
 
 
-L2_PREFETCH: dict[str, tuple[int, int]] = {}
-"""Launches without expert ids whose first N programs ask L2 for the first P percent of the launch's matrices before
-their PDL wait (`_prefetch_share`), as (N, P) keyed as `PRELOAD` ("KIND/STEPS", then "KIND"): weights that the
-programs scheduled after the kernel before ends would load, fetched while it runs. Empty: no launch prefetches
-(A/B: `tools/step_variants.py l2pf:KIND:N:P`)."""
-
-
-def l2_prefetch_programs(kind: str, steps: int) -> tuple[int, int]:
-    """(programs, percent) of a `kind` launch of `steps` K-loop steps that prefetch its matrices to L2
-    (`L2_PREFETCH`; (0, 100): none)."""
-    return next((L2_PREFETCH[k] for k in (f"{kind}/{steps}", kind) if k in L2_PREFETCH), (0, 100))
-
-
-def _l2_prefetch_args(kind: str, steps: int, plain: bool) -> dict:
-    programs, percent = l2_prefetch_programs(kind, steps) if plain else (0, 100)
-    return {"PF": programs, "PFP": percent}
-
-
 def preload_steps(kind: str, steps: int, q8x: bool = False) -> int:
     """The K-loop steps of a `kind` launch of `steps` steps loaded before its PDL wait (`PRELOAD`: the entry
     "KIND/STEPS" for launches of that many steps, else "KIND", each first with the prefix "q8:" for launches with
@@ -962,7 +921,6 @@ def launch(kind: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None
         SLOT_SUM=slots if slot_weights is not None else 0, IDS_EARLY=ids_early and ids is not None,
         RELEASE=RELEASE[cls], PRE=preload_steps(kind, k // CHUNK[kind][0] // (split * sbc), q8x), XW=WIDEN_X_ASM,
         XQ=q8x, QOUT=q_out[1] if q_out is not None else 0, PROBE=rows is not None, TILE=tile,
-        **_l2_prefetch_args(kind, k // CHUNK[kind][0] // (split * sbc), ids is None),
         num_warps=warps, **gdc)
 
 

@@ -44,13 +44,12 @@ def compile_for(fn, ptrs: dict[str, str], ints: dict[str, int | float], consts: 
 
 def compile_rr(kind: str, n: int, k: int, *, glu: bool = False, x: str = "bf16", has_ids: bool = False,
                ids_early: bool = False, release: int | None = None, widen: bool | None = None, gdc: bool = False,
-               shape: tuple[int, int, int] | None = None, q8x: bool = False, probe: bool = False,
-               l2_prefetch: int = 0, arch: int = 90) -> tuple[triton.compiler.CompiledKernel, dict]:
+               shape: tuple[int, int, int] | None = None, q8x: bool = False, probe: bool = False, arch: int = 90,
+               ) -> tuple[triton.compiler.CompiledKernel, dict]:
     """One one-token launch of `gemv_rr._rr_kernel` over n rows of k weights of `kind` (its `launch_shape`, or
     `shape` = (rows, chunks per step, warps); no K split, bf16 output), compiled for sm_`arch`, and its launch
     facts. release: a `gemv_rr.RELEASE` mode (AFTER_LOOP when None); widen: `gemv_rr.WIDEN_X_ASM` when None;
-    gdc: with PDL; q8x: x as Q8 activations (`gemv_q8x`; `x` is then ignored); l2_prefetch: the programs that
-    ask L2 for the matrix (`gemv_rr.L2_PREFETCH`). A tile-major kind compiles as its
+    gdc: with PDL; q8x: x as Q8 activations (`gemv_q8x`; `x` is then ignored). A tile-major kind compiles as its
     launches do: its row-major twin's loop with TILE."""
     from strata.kernels import gemv, gemv_rr
 
@@ -68,7 +67,7 @@ def compile_rr(kind: str, n: int, k: int, *, glu: bool = False, x: str = "bf16",
                   HAS_IDS=has_ids, ASM=True, SPLIT_SUM=gemv._split_sum, SPLIT=1, SLOT_SUM=0, IDS_EARLY=ids_early,
                   RELEASE=gemv_rr.AFTER_LOOP if release is None else release,
                   PRE=gemv_rr.preload_steps(kind, n_chunks // sbc, q8x), XW=widen, XQ=q8x, QOUT=0, PROBE=probe,
-                  TILE=tile, PF=l2_prefetch, PFP=100, GDC=gdc)
+                  TILE=tile, GDC=gdc)
     ck = compile_for(gemv_rr._rr_kernel, ptrs, ints, consts, warps, arch)
     return ck, dict(type=kind, n=n, k=k, kernel="rr glu" if glu else "rr", BN=br, warps=warps, NB=sbc,
                     x="q8" if q8x else x,

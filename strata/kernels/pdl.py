@@ -78,8 +78,8 @@ def prefetch_l2(ptrs, mask, ASM: tl.constexpr):
     kernel (or one launched after it) will load after its wait, fetched from DRAM while the kernel before still
     runs. No effect on any value; nothing without ASM (the interpreter has no PTX)."""
     if ASM:
-        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; "
-                                  "@p prefetch.global.L2 [$1]; mov.u32 $0, 0; }", "=r,l,r", [ptrs.to(tl.int64, bitcast=True), mask.to(tl.int32)], dtype=tl.int32,
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                                  "=r,l,r", [ptrs.to(tl.int64, bitcast=True), mask.to(tl.int32)], dtype=tl.int32,
                                   is_pure=False, pack=1)
 
 
