@@ -189,10 +189,9 @@ def _gdn_step_kernel(x_ptr, b_ptr, alpha_ptr, convw_ptr, win_ptr, A_ptr, dtb_ptr
                                                K, KP)
         if FUSED:
             nw = _norm_weight(nw_ptr, DV, DT, BD)
-    if PFS:
-        LPR: tl.constexpr = (BV + 31) // 32  # 128-byte lines per row of the slab
-        lp = S_ptr + j * DK * DV + i[:, None] * DV + vb * BV + 32 * tl.arange(0, LPR)[None, :]
-        pdl.prefetch_l2(lp, im[:, None] & (vb * BV + 32 * tl.arange(0, LPR)[None, :] < DV), True)
+    if PFS:  # one 128-byte line per 32 value columns of each slab row
+        lcol = vb * BV + 32 * tl.arange(0, (BV + 31) // 32)
+        pdl.prefetch_l2(S_ptr + j * DK * DV + i[:, None] * DV + lcol[None, :], im[:, None] & (lcol < DV)[None, :])
     pdl.wait(GDC)
     if LATE:
         pdl.started(GDC)

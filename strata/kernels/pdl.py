@@ -73,14 +73,13 @@ def enter(GDC: tl.constexpr, LATE: tl.constexpr = False):
 
 
 @triton.jit
-def prefetch_l2(ptrs, mask, ASM: tl.constexpr):
-    """Ask L2 for the 128-byte lines of `ptrs` (where `mask`) without waiting or using registers: stored bytes a
-    kernel (or one launched after it) will load after its wait, fetched from DRAM while the kernel before still
-    runs. No effect on any value; nothing without ASM (the interpreter has no PTX)."""
-    if ASM:
-        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                                  "=r,l,r", [ptrs.to(tl.int64, bitcast=True), mask.to(tl.int32)], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+def prefetch_l2(ptrs, mask):
+    """Ask L2 for the 128-byte lines of `ptrs` (where `mask`) without waiting or using registers: bytes a kernel
+    will load after its wait, fetched from DRAM while the kernel before still runs. No effect on any value. GPU
+    only (inline PTX): a caller compiles it out under the interpreter."""
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [ptrs.to(tl.int64, bitcast=True), mask.to(tl.int32)], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 LATE_RELEASE = {"qsa_store": True, "gdn_step": False, "route": False, "combine": False, "hc_down": False,
